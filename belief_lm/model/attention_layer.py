@@ -1,0 +1,181 @@
+"""The attention family inside megatron-core's SelfAttention.
+
+megatron's SelfAttention computes Q, K, V (column-parallel: this rank's heads), applies
+RoPE, calls a core attention and feeds its output to `linear_proj`. We supply both ends:
+
+- `FamilyCoreAttention` computes H with torch SDPA (flash kernels on GPU, CPU kernels here),
+  optionally recentred (Attention-BN) or on pooled keys (Attention-SH), and returns the
+  residual signal of the chosen variant (MH, Δ, [Δ, Δ^s] or Φ) for this rank's heads.
+- `BeliefStarProjection` maps [Δ, Δ^s] to Δ W^o + Δ^s W^s with ONE all-reduce, keeping W^o
+  and W^s separately named and sharded so checkpoints survive a change of TP size.
+
+The math itself is in `belief_lm/attention.py`; the only process-group code here is the
+all-reduce handed to the global projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import (
+    RowParallelLinear,
+    reduce_from_tensor_model_parallel_region,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import Tensor
+
+from belief_lm import attention as family
+from belief_lm.parallel.collectives import tensor_parallel_sum
+
+# model.attention -> (how H is computed, which residual signal feeds the output projection)
+VARIANTS: dict[str, tuple[str, str]] = {
+    "softmax": ("softmax", "mh"),
+    "belief": ("softmax", "belief"),
+    "belief_star": ("softmax", "belief_star"),
+    "attentionx": ("softmax", "attentionx"),
+    "attention_bn": ("bn", "mh"),
+    "attention_sh": ("sh", "mh"),
+    "attention_bn_sh": ("bn_sh", "mh"),
+}
+
+
+class FamilyCoreAttention(MegatronModule):
+    """Causal core attention for every variant; a drop-in for megatron's DotProductAttention.
+
+    Inputs are megatron's [seq, batch, heads, head_dim] (query: this rank's heads; key/value:
+    its KV groups). Returns [seq, batch, heads * head_dim], or twice that for belief_star.
+    Attention is always causal over the whole packed window; masks are not supported.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        *,
+        variant: str,
+        gamma: float = 0.5,
+        beta: float = 1.0,
+        head_scales: Sequence[int] = (),
+    ):
+        super().__init__(config=config)
+        self.mixing, self.residual = VARIANTS[variant]
+        self.softmax_scale = softmax_scale
+        self.gamma, self.beta = gamma, beta
+        tp_group = pg_collection.tp if pg_collection is not None else None
+        self.shard_sum = tensor_parallel_sum(tp_group)
+        if self.mixing in ("sh", "bn_sh"):
+            tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+            tp_rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
+            local = config.num_attention_heads // tp_size
+            self.local_head_scales = list(head_scales[tp_rank * local : (tp_rank + 1) * local])
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type=None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params=None,
+        **unused,
+    ) -> Tensor:
+        if attention_mask is not None or attention_bias is not None or packed_seq_params:
+            raise ValueError(
+                "FamilyCoreAttention is causal-only: masks/bias/packed seqs unsupported"
+            )
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        if self.mixing in ("sh", "bn_sh"):
+            h = self._scaled_heads(q, _heads_from_groups(k, q), _heads_from_groups(v, q))
+        else:
+            h = self._attend(q, k, v, scale=1)
+        h = h.permute(2, 0, 1, 3)  # [s, b, heads, d]
+        if self.residual == "mh":
+            return h.flatten(2)
+        v_heads = _heads_from_groups(value, query, dim=2)  # V_m of each head's KV group
+        if self.residual == "attentionx":
+            return family.consensus_discrepancy(h, v_heads, self.gamma).flatten(2)
+        delta = family.global_orthogonal_residual(h.flatten(2), v_heads.flatten(2), self.shard_sum)
+        if self.residual == "belief":
+            return delta
+        return torch.cat((delta, family.per_head_orthogonal_residual(h, v_heads).flatten(2)), -1)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, scale: int) -> Tensor:
+        """softmax(q k^T) v for [b, heads, s, d] tensors; keys pooled by `scale`; queries
+        recentred by the mean of the keys each may see when the variant is Attention-BN."""
+        seq_len = q.shape[2]
+        if scale > 1:
+            k, v = family.causal_pool(k, scale, dim=2), family.causal_pool(v, scale, dim=2)
+        if self.mixing in ("bn", "bn_sh"):
+            mean = family.causal_mean(k, dim=2)  # over slots/keys 0..b
+            if scale > 1:
+                mean = mean[:, :, torch.arange(seq_len, device=q.device) // scale]
+            q = family.recentred_queries(q, _heads_from_groups(mean, q), self.beta)
+        if scale == 1:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True
+            )
+        mask = family.pooled_causal_mask(seq_len, scale, device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+
+    def _scaled_heads(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention-SH: each group of heads sharing a scale attends to its pooled keys."""
+        out = torch.empty_like(q)
+        for scale in sorted(set(self.local_head_scales)):
+            idx = [i for i, s in enumerate(self.local_head_scales) if s == scale]
+            out[:, idx] = self._attend(q[:, idx], k[:, idx], v[:, idx], scale)
+        return out
+
+
+def _heads_from_groups(kv: Tensor, q: Tensor, dim: int = 1) -> Tensor:
+    """Repeat KV groups so each query head has its own copy (megatron and SDPA's GQA order:
+    query heads g*r .. g*r+r-1 share group g)."""
+    repeats = q.shape[dim] // kv.shape[dim]
+    return kv if repeats == 1 else kv.repeat_interleave(repeats, dim=dim)
+
+
+class BeliefStarProjection(RowParallelLinear):
+    """belief_star's output projection Δ W^o + Δ^s W^s, row-parallel over this rank's heads.
+
+    Input is [Δ_r, Δ^s_r] concatenated on the last dim. W^o is `weight` (the name softmax's
+    linear_proj uses) and W^s is `w_s.weight`; each is sharded over the same head split, so a
+    TP=2 checkpoint merges into a TP=1 one by plain concatenation. The two partial products
+    are summed before the single all-reduce.
+    """
+
+    def __init__(self, input_size: int, output_size: int, **kwargs):
+        super().__init__(input_size, output_size, **kwargs)
+        self.w_s = RowParallelLinear(input_size, output_size, **{**kwargs, "bias": False})
+
+    def forward(self, input_: Tensor) -> tuple[Tensor, Tensor | None]:
+        delta, delta_s = input_.chunk(2, dim=-1)
+        partial = F.linear(delta, self.weight) + F.linear(delta_s, self.w_s.weight)
+        output = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output if self.bias is None else output + self.bias), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """W^o as RowParallelLinear does it, and W^s sharded the same way (not replicated)."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        state.update(self.w_s.sharded_state_dict(f"{prefix}w_s.", sharded_offsets, metadata))
+        return state
+
+
+def core_attention_spec(
+    variant: str, gamma: float, beta: float, head_scales: Sequence[int]
+) -> ModuleSpec:
+    """The core-attention entry of megatron's SelfAttention spec for one variant."""
+    return ModuleSpec(
+        module=FamilyCoreAttention,
+        params={"variant": variant, "gamma": gamma, "beta": beta, "head_scales": head_scales},
+    )

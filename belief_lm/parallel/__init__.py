@@ -1,0 +1,1 @@
+"""Parallel wiring: process groups, tensor-parallel collectives, engines' topology."""

@@ -1,0 +1,150 @@
+"""The projection math against direct float64 formulas, per token and per head."""
+
+import pytest
+import torch
+
+from belief_lm import attention as fam
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def direct_residual(x, v):
+    """x - (<x,v>/<v,v>) v in float64, row by row."""
+    x, v = x.double(), v.double()
+    return x - ((x * v).sum(-1) / (v * v).sum(-1)).unsqueeze(-1) * v
+
+
+def test_global_residual_matches_float64_formula():
+    mh, v = rand(3, 7, 48, seed=1), rand(3, 7, 48, seed=2)
+    delta = fam.global_orthogonal_residual(mh, v)
+    assert delta.dtype == mh.dtype and delta.shape == mh.shape
+    torch.testing.assert_close(delta.double(), direct_residual(mh, v), rtol=1e-5, atol=1e-5)
+
+
+def test_per_head_residual_matches_float64_formula():
+    h, v = rand(3, 7, 4, 12, seed=3), rand(3, 7, 4, 12, seed=4)
+    delta = fam.per_head_orthogonal_residual(h, v)
+    torch.testing.assert_close(delta.double(), direct_residual(h, v), rtol=1e-5, atol=1e-5)
+    # per head is not the global projection of the concatenated row
+    assert not torch.allclose(
+        delta.flatten(-2), fam.global_orthogonal_residual(h.flatten(-2), v.flatten(-2))
+    )
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    # MH nearly parallel to V (small Δ): where the coefficient's precision matters
+    v = rand(2, 5, 768, seed=6).bfloat16()
+    mh = (2 * v.float() + 0.05 * rand(2, 5, 768, seed=5)).bfloat16()
+    delta = fam.global_orthogonal_residual(mh, v)
+    assert delta.dtype == torch.bfloat16
+    exact = direct_residual(mh, v)  # exact math on the same bf16 values
+    ours = (delta.double() - exact).abs().max()
+    # what accumulating the inner products in bf16 would give
+    naive_alpha = (mh * v).sum(-1) / (v * v).sum(-1)
+    naive = (mh - naive_alpha.unsqueeze(-1) * v).double()
+    assert ours <= 2**-8 * exact.abs().max()  # one bf16 rounding of the output
+    assert (naive - exact).abs().max() > 10 * ours
+
+
+@pytest.mark.parametrize("fn", ["global", "per_head"])
+def test_coefficient_is_per_token(fn):
+    """Changing V at token j changes Δ at token j only."""
+    h, v = rand(2, 9, 4, 8, seed=7), rand(2, 9, 4, 8, seed=8)
+    run = {
+        "global": lambda h, v: fam.global_orthogonal_residual(h.flatten(-2), v.flatten(-2)),
+        "per_head": lambda h, v: fam.per_head_orthogonal_residual(h, v).flatten(-2),
+    }[fn]
+    before = run(h, v)
+    v2 = v.clone()
+    v2[1, 4] += rand(4, 8, seed=9)
+    after = run(h, v2)
+    changed = (before - after).abs().amax(-1) > 0
+    expected = torch.zeros(2, 9, dtype=torch.bool)
+    expected[1, 4] = True
+    assert torch.equal(changed, expected)
+
+
+def test_orthogonal_and_not_longer_per_token():
+    mh, v = rand(4, 16, 64, seed=10), rand(4, 16, 64, seed=11)
+    delta = fam.global_orthogonal_residual(mh, v)
+    cos = (delta * v).sum(-1) / (delta.norm(dim=-1) * v.norm(dim=-1))
+    assert cos.abs().max() < 1e-5
+    assert (delta.norm(dim=-1) <= mh.norm(dim=-1) * (1 + 1e-6)).all()
+
+
+def test_orthogonal_and_not_longer_per_head():
+    h, v = rand(4, 16, 6, 16, seed=12), rand(4, 16, 6, 16, seed=13)
+    delta = fam.per_head_orthogonal_residual(h, v)
+    cos = (delta * v).sum(-1) / (delta.norm(dim=-1) * v.norm(dim=-1))
+    assert cos.abs().max() < 1e-5
+    assert (delta.norm(dim=-1) <= h.norm(dim=-1) * (1 + 1e-6)).all()
+
+
+def test_zero_value_gives_mh_and_finite_gradients():
+    """<V,V> = 0 means V = 0: the coefficient is 0, Δ = MH, gradients stay finite."""
+    mh = rand(2, 3, 16, seed=14).requires_grad_()
+    v = rand(2, 3, 16, seed=15)
+    v[0, 1] = 0.0
+    v.requires_grad_()
+    for delta in (
+        fam.global_orthogonal_residual(mh, v),
+        fam.per_head_orthogonal_residual(mh.view(2, 3, 4, 4), v.view(2, 3, 4, 4)).flatten(-2),
+    ):
+        assert torch.equal(delta[0, 1], mh[0, 1])
+        delta.square().sum().backward()
+        assert torch.isfinite(mh.grad).all() and torch.isfinite(v.grad).all()
+        mh.grad = v.grad = None
+
+
+def test_shard_sum_reproduces_the_full_projection():
+    """Heads split in two shards: each shard's Δ, with the partial inner products summed
+    over shards, equals its slice of the unsharded Δ (what TP all-reduce provides)."""
+    mh, v = rand(2, 5, 32, seed=16), rand(2, 5, 32, seed=17)
+    full = fam.global_orthogonal_residual(mh, v)
+    halves = [(mh[..., :16], v[..., :16]), (mh[..., 16:], v[..., 16:])]
+    partials = [torch.stack(((m * u).sum(-1), (u * u).sum(-1)), dim=-1) for m, u in halves]
+    total = partials[0] + partials[1]
+    shards = [fam.global_orthogonal_residual(m, u, shard_sum=lambda _: total) for m, u in halves]
+    torch.testing.assert_close(torch.cat(shards, -1), full)
+
+
+def test_consensus_discrepancy_is_exact():
+    h, v = rand(3, 4, 8, seed=18), rand(3, 4, 8, seed=19)
+    assert torch.equal(fam.consensus_discrepancy(h, v, 0.5), 0.5 * v - h)
+
+
+def test_causal_mean_is_a_running_mean():
+    x = rand(2, 10, 3, seed=20)
+    expected = torch.stack([x[:, : i + 1].mean(1) for i in range(10)], dim=1)
+    torch.testing.assert_close(fam.causal_mean(x, dim=1), expected)
+
+
+@pytest.mark.parametrize("scale", [1, 2, 3, 4])
+def test_causal_pool_and_mask(scale):
+    n = 11
+    x = rand(2, n, 5, seed=21)
+    slots = []
+    for end in range(0, n, scale):
+        start = max(0, end - scale + 1)
+        slots.append(x[:, start : end + 1].mean(1))
+    torch.testing.assert_close(fam.causal_pool(x, scale, dim=1), torch.stack(slots, 1))
+    mask = fam.pooled_causal_mask(n, scale)
+    for i in range(n):
+        for b, end in enumerate(range(0, n, scale)):
+            assert bool(mask[i, b]) == (end <= i)  # every averaged position is <= i
+    assert mask[:, 0].all()  # every query sees at least slot 0
+
+
+def test_recentred_queries_equal_eq26_scores():
+    """softmax over j of (q_i - βμ_i)·k_j equals softmax of (q_i - βμ_i)·(k_j - βμ_i)."""
+    q, k = rand(6, 8, dtype=torch.float64, seed=22), rand(6, 8, dtype=torch.float64, seed=23)
+    beta = 0.7
+    mu = fam.causal_mean(k, dim=0)
+    shifted = fam.recentred_queries(q, mu, beta) @ k.T
+    literal = torch.stack([(q[i] - beta * mu[i]) @ (k - beta * mu[i]).T for i in range(6)])
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    p1 = shifted.masked_fill(~causal, float("-inf")).softmax(-1)
+    p2 = literal.masked_fill(~causal, float("-inf")).softmax(-1)
+    torch.testing.assert_close(p1, p2)
