@@ -1,0 +1,343 @@
+"""Typed, validated run configuration: model / data / parallel / train / run.
+
+A run is described by YAML files composed with `include:` (paths relative to the including
+file, merged in order, the including file last) and dotted command-line overrides
+(`model.attention=belief_star train.max_steps=50`). Every section forbids unknown keys and
+checks its values, so a typo or a bad value fails before any work starts with a message
+naming the key. Field docstrings are the reference documentation of each option.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+AttentionVariant = Literal[
+    "softmax",
+    "belief",
+    "belief_star",
+    "attentionx",
+    "attention_bn",
+    "attention_sh",
+    "attention_bn_sh",
+]
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+class Section(BaseModel):
+    """Base of every config section: strict keys, checked assignment, docstrings as docs."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+
+class ModelConfig(Section):
+    """Decoder architecture (megatron-core layers) and the attention variant."""
+
+    name: str = "custom"
+    """Preset name, recorded in logs."""
+    num_layers: PositiveInt = 4
+    """Decoder layers."""
+    hidden_size: PositiveInt = 128
+    """Model width (d_model)."""
+    num_attention_heads: PositiveInt = 4
+    """Query heads."""
+    num_query_groups: PositiveInt | None = None
+    """Key/value heads for grouped-query attention; None: one per query head."""
+    ffn_hidden_size: PositiveInt | None = None
+    """MLP width; None: 4 x hidden_size."""
+    seq_length: PositiveInt = 128
+    """Context length: tokens per training window."""
+    vocab_size: PositiveInt | None = None
+    """Embedding rows; None: the tokenizer's vocabulary padded to a multiple of
+    make_vocab_size_divisible_by x tensor-parallel size."""
+    make_vocab_size_divisible_by: PositiveInt = 128
+    """Padding multiple for the vocabulary (efficient GEMMs, even TP shards)."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Pre-norm type."""
+    norm_epsilon: float = Field(1e-5, gt=0)
+    """Epsilon of the norms."""
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP activation; swiglu is a gated linear unit with SiLU."""
+    position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """Learned absolute positions (GPT-2) or rotary embeddings (Llama)."""
+    rotary_base: float = Field(10000.0, gt=0)
+    """RoPE theta."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output layer."""
+    bias: bool = True
+    """Biases in the linear layers."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Hidden dropout (attention dropout is not supported)."""
+    init_std: float = Field(0.02, gt=0)
+    """Std of the normal weight init (output projections are scaled by 1/sqrt(2 layers))."""
+    attention: AttentionVariant = "softmax"
+    """Attention variant: softmax, belief, belief_star, attentionx, attention_bn,
+    attention_sh or attention_bn_sh."""
+    gamma: float = Field(0.5, gt=0, le=1)
+    """AttentionX's γ in Φ = γV - H, in (0, 1]."""
+    beta: float = Field(1.0, ge=0)
+    """Attention-BN's β weighting the key mean that recentres queries and keys."""
+    sh_scales: list[PositiveInt] = Field(default_factory=lambda: [1, 1, 2, 4])
+    """Attention-SH per-head downsampling factors, repeated across the heads (its length
+    must divide num_attention_heads)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        heads, groups = self.num_attention_heads, self.num_query_groups or self.num_attention_heads
+        if self.hidden_size % heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({heads})"
+            )
+        if heads % groups:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})"
+            )
+        if heads % len(self.sh_scales):
+            raise ValueError(
+                f"sh_scales has {len(self.sh_scales)} entries, which does not divide "
+                f"num_attention_heads ({heads})"
+            )
+        return self
+
+    @property
+    def head_scales(self) -> list[int]:
+        """Attention-SH scale of every head (sh_scales repeated)."""
+        return self.sh_scales * (self.num_attention_heads // len(self.sh_scales))
+
+
+class SourceConfig(Section):
+    """One document source of the training mixture."""
+
+    uri: str
+    """Where documents come from: 'embedded' (documentation shipped with Python)."""
+    weight: float = Field(1.0, gt=0)
+    """Relative sampling weight in the mixture."""
+
+
+class TokenizerConfig(Section):
+    """The sentencepiece tokenizer."""
+
+    path: str | None = None
+    """A trained sentencepiece .model file; None: train one on the data sources (cached)."""
+    vocab_size: PositiveInt = 4096
+    """Vocabulary size when training a tokenizer."""
+
+
+class DataConfig(Section):
+    """Where training tokens come from and how they are cut into windows."""
+
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(uri="embedded")])
+    """Document sources (a bare string is a source URI with weight 1)."""
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    """Tokenizer settings."""
+    validation_fraction: float = Field(0.02, ge=0, lt=1)
+    """Share of documents (by a hash of their id) held out for validation."""
+    seed: int = 1234
+    """Seed of the document order."""
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _uri_strings(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            return [{"uri": v} if isinstance(v, str) else v for v in value]
+        return value
+
+    @field_validator("sources")
+    @classmethod
+    def _not_empty(cls, value: list[SourceConfig]) -> list[SourceConfig]:
+        if not value:
+            raise ValueError("at least one source is required")
+        return value
+
+
+class ParallelConfig(Section):
+    """How the world is split: tensor x pipeline x data (the rest) parallel."""
+
+    tensor: PositiveInt = 1
+    """Tensor-parallel size (heads and MLP columns split across ranks)."""
+    pipeline: PositiveInt = 1
+    """Pipeline-parallel stages."""
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    """DeepSpeed ZeRO stage for the data-parallel optimizer state."""
+
+
+class TrainConfig(Section):
+    """Optimisation: AdamW, warmup + cosine, clipping, accumulation."""
+
+    max_steps: PositiveInt = 100
+    """Optimizer steps to run."""
+    micro_batch_size: PositiveInt = 8
+    """Sequences per forward/backward on one data-parallel rank."""
+    global_batch_size: PositiveInt = 8
+    """Sequences per optimizer step over all ranks (reached by gradient accumulation)."""
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate."""
+    min_lr: float = Field(1e-4, ge=0)
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = Field(10, ge=0)
+    """Linear warmup steps."""
+    decay_steps: PositiveInt | None = None
+    """Step at which the cosine reaches min_lr; None: max_steps."""
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW weight decay, applied to weights of two or more dimensions only."""
+    beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW β1."""
+    beta2: float = Field(0.95, ge=0, lt=1)
+    """AdamW β2."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW ε."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip; 0 disables it."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision; auto: bf16 on GPU, fp32 on CPU."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+class RunConfig(Section):
+    """Where outputs go and how the run is logged."""
+
+    output_dir: str = "runs/default"
+    """Run directory: config, metrics, tensorboard events, checkpoints."""
+    seed: int = 1234
+    """Seed of the weight init (per pipeline stage) and everything else random."""
+    log_interval: PositiveInt = 1
+    """Steps between metric logs."""
+    tensorboard: bool = True
+    """Write tensorboard events under output_dir/tensorboard."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to compute; auto: cuda if available."""
+    cache_dir: str = "~/.cache/belief-lm"
+    """Cache of trained tokenizers and prepared data."""
+
+
+class Config(Section):
+    """A whole run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    def to_yaml(self) -> str:
+        """The effective config as YAML (every field, defaults included)."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Read `path` (with its includes), apply dotted `overrides`, validate.
+
+    Raises ConfigError naming the file, key and value at fault.
+    """
+    raw = _read_with_includes(Path(path), ()) if path is not None else {}
+    for item in overrides:
+        _apply_override(raw, item)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, Config)) from None
+
+
+def _read_with_includes(path: Path, chain: tuple[Path, ...]) -> dict:
+    path = path.expanduser().resolve()
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
+        raise ConfigError(f"config include cycle: {cycle}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        where = f" (included from {chain[-1]})" if chain else ""
+        raise ConfigError(f"config file not found: {path}{where}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    includes = data.pop("include", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        _deep_merge(merged, _read_with_includes(path.parent / inc, (*chain, path)))
+    _deep_merge(merged, data)
+    return merged
+
+
+def _deep_merge(base: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    *parents, leaf = key.split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {'.'.join(parents[: i + 1])} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _describe(err: ValidationError, root: type[BaseModel]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown key{_suggest(e['loc'], root)}")
+        elif e["type"] == "value_error":
+            lines.append(f"{loc}: {e['msg'].removeprefix('Value error, ')}")
+        else:
+            lines.append(f"{loc} = {e.get('input')!r}: {e['msg']}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _suggest(loc: tuple, root: type[BaseModel]) -> str:
+    """' (did you mean ...?)' for a misspelt key, looked up in the schema at its parent."""
+    model: Any = root
+    for part in loc[:-1]:
+        if isinstance(part, int):  # a list index: stay on the list's item model
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return ""
+        annotation = field.annotation
+        args = getattr(annotation, "__args__", ()) or (annotation,)
+        model = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return ""
+    names = list(getattr(model, "model_fields", {}))
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -1,0 +1,104 @@
+"""Configuration: composition, overrides, and errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from belief_lm.config import Config, ConfigError, load_config
+
+CONFIGS = sorted(Path("configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=str)
+def test_every_shipped_config_validates(path):
+    assert isinstance(load_config(path), Config)
+
+
+def test_includes_compose_and_the_file_wins(tmp_path):
+    (tmp_path / "model.yaml").write_text("model: {num_layers: 3, hidden_size: 96}\n")
+    (tmp_path / "run.yaml").write_text(
+        "include: [model.yaml]\nmodel: {hidden_size: 64}\ntrain: {max_steps: 7}\n"
+    )
+    cfg = load_config(tmp_path / "run.yaml")
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.train.max_steps) == (3, 64, 7)
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [
+            "model.attention=belief",
+            "train.max_steps=50",
+            "run.output_dir=out/x",
+            "model.sh_scales=[1, 2]",
+            "train.lr=5e-3",
+            "run.tensorboard=false",
+        ],
+    )
+    assert cfg.model.attention == "belief" and cfg.train.max_steps == 50
+    assert cfg.run.output_dir == "out/x" and cfg.model.sh_scales == [1, 2]
+    assert cfg.train.lr == 5e-3 and cfg.run.tensorboard is False
+
+
+def test_effective_config_round_trips(tmp_path):
+    cfg = load_config("configs/tiny.yaml", ["model.attention=attentionx"])
+    (tmp_path / "effective.yaml").write_text(cfg.to_yaml())
+    assert load_config(tmp_path / "effective.yaml") == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.atention=belief"], "model.atention: unknown key (did you mean 'attention'?)"),
+        (["trian.max_steps=1"], "trian: unknown key (did you mean 'train'?)"),
+        (["model.attention=softmaxx"], "model.attention = 'softmaxx': Input should be"),
+        (["model.gamma=0"], "model.gamma = 0: Input should be greater than 0"),
+        (["model.gamma=1.5"], "model.gamma = 1.5: Input should be less than or equal to 1"),
+        (["train.max_steps=ten"], "train.max_steps = 'ten': Input should be a valid integer"),
+        (["train.lr=-1"], "train.lr = -1: Input should be greater than 0"),
+        (["model.hidden_size=130"], "hidden_size (130) must be divisible by num_attention_heads"),
+        (
+            ["model.num_query_groups=3"],
+            "num_attention_heads (4) must be divisible by num_query_groups (3)",
+        ),
+        (["model.sh_scales=[1,2,3]"], "sh_scales has 3 entries"),
+        (
+            ["train.global_batch_size=20"],
+            "global_batch_size (20) must be a multiple of micro_batch_size (16)",
+        ),
+        (["train.min_lr=1"], "min_lr (1.0) must not exceed lr"),
+        (["parallel.zero_stage=4"], "parallel.zero_stage = 4"),
+        (
+            ["data.sources=[{uri: embedded, weigth: 2}]"],
+            "data.sources.0.weigth: unknown key (did you mean 'weight'?)",
+        ),
+        (["data.sources=[]"], "at least one source is required"),
+        (["model"], "not of the form section.key=value"),
+        (["model.num_layers.x=1"], "model.num_layers is not a section"),
+    ],
+)
+def test_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", overrides)
+    assert message in str(err.value)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file not found: .*missing\.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "a.yaml").write_text("include: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("include: a.yaml\n")
+    with pytest.raises(ConfigError, match="include cycle"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("include: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"nowhere.yaml \(included from .*c.yaml\)"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_sections_document_every_field():
+    for section in Config.model_fields.values():
+        for name, field in section.annotation.model_fields.items():
+            assert field.description, f"{section.annotation.__name__}.{name} has no docstring"
