@@ -1,0 +1,237 @@
+"""The decoder-only language model, built from megatron-core pieces.
+
+Reads top to bottom: token embedding -> decoder layers (megatron TransformerLayer with the
+attention family of `attention_layer.py`) -> final norm -> vocab-parallel output layer ->
+vocab-parallel cross entropy. The three stage types are also the pipeline stages
+(DeepSpeed PipelineModule), so every stage seeds its own initialisation: the initial
+weights depend only on `run.seed`, not on how the model is split over ranks. megatron's
+CPU initialisation draws each full weight and keeps this rank's shard, so tensor
+parallelism does not change them either.
+
+Layout convention (megatron's): activations are [seq, batch, hidden]; tokens and labels
+are [batch, seq].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.language_model_embedding import (
+    LanguageModelEmbedding,
+)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import Tensor
+
+from belief_lm.config import ModelConfig
+from belief_lm.model.attention_layer import BeliefStarProjection, core_attention_spec
+
+
+def transformer_config(cfg: ModelConfig, tensor_parallel: int = 1) -> TransformerConfig:
+    """megatron's TransformerConfig for our model config.
+
+    Fusions that need apex/TransformerEngine stay off (they are CUDA-only and optional);
+    pipeline_model_parallel_size stays 1 because DeepSpeed owns the pipeline (otherwise
+    TransformerLayer offsets layer numbers by the pipeline rank).
+    """
+    swiglu = cfg.activation == "swiglu"
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        normalization=cfg.normalization,
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=cfg.bias,
+        hidden_dropout=cfg.dropout,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_std,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=1,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def decoder_layer_spec(cfg: ModelConfig) -> ModuleSpec:
+    """megatron's local GPT layer spec with our core attention (and W^s for belief_star)."""
+    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = core_attention_spec(
+        cfg.attention, gamma=cfg.gamma, beta=cfg.beta, head_scales=cfg.head_scales
+    )
+    if cfg.attention == "belief_star":
+        attention.linear_proj = BeliefStarProjection
+    return spec
+
+
+@contextlib.contextmanager
+def seeded_init(seed: int):
+    """Draw initial weights from torch's CPU generator seeded with `seed`, leaving the
+    global RNG as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+@functools.lru_cache(maxsize=16)
+def rotary_frequencies(seq_len: int, dim: int, base: float, device: torch.device) -> Tensor:
+    """RoPE angles in megatron's layout [seq, 1, 1, dim] (non-interleaved halves).
+
+    Our own few lines because megatron's RotaryEmbedding moves its table to CUDA
+    unconditionally; megatron's apply_rotary_pos_emb still applies them.
+    """
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    return torch.cat((angles, angles), dim=-1)[:, None, None, :]
+
+
+class TokenEmbedding(LanguageModelEmbedding):
+    """Stage 0: token ids [batch, seq] -> hidden states [seq, batch, hidden]."""
+
+    def __init__(self, config: TransformerConfig, model: ModelConfig, vocab_size: int, seed: int):
+        with seeded_init(seed):
+            super().__init__(
+                config=config,
+                vocab_size=vocab_size,
+                max_sequence_length=model.seq_length,
+                position_embedding_type=model.position_embedding,
+            )
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        return super().forward(tokens, positions.expand_as(tokens))
+
+
+class DecoderLayer(TransformerLayer):
+    """One pre-norm decoder layer: x += attention(norm(x)); x += mlp(norm(x)).
+
+    Takes and returns only the hidden states, so it is also a pipeline stage; RoPE angles
+    are computed (and cached) here rather than passed between stages.
+    """
+
+    def __init__(self, config: TransformerConfig, model: ModelConfig, layer_number: int, seed: int):
+        with seeded_init(seed):
+            super().__init__(
+                config=config,
+                submodules=decoder_layer_spec(model).submodules,
+                layer_number=layer_number,
+            )
+        self.rope_base = model.rotary_base if model.position_embedding == "rope" else None
+
+    def forward(self, hidden_states: Tensor) -> Tensor:  # type: ignore[override]
+        rope = None
+        if self.rope_base is not None:
+            rope = rotary_frequencies(
+                hidden_states.shape[0],
+                self.config.kv_channels,
+                self.rope_base,
+                hidden_states.device,
+            )
+        output, _ = super().forward(hidden_states, attention_mask=None, rotary_pos_emb=rope)
+        return output
+
+
+class OutputHead(MegatronModule):
+    """Last stage: final norm and the vocab-parallel output layer -> logits [seq, batch,
+    vocab / TP]. With tied embeddings it owns no weight and is handed the embedding's."""
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, tied: bool, seed: int):
+        super().__init__(config=config)
+        with seeded_init(seed):
+            self.final_norm = WrappedTorchNorm(
+                config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+            )
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                gather_output=False,
+                skip_weight_param_allocation=tied,
+            )
+
+    def forward(self, hidden_states: Tensor, tied_weight: Tensor | None = None) -> Tensor:
+        logits, _ = self.output_layer(self.final_norm(hidden_states), weight=tied_weight)
+        return logits
+
+
+def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean next-token cross entropy of vocab-parallel logits [seq, batch, vocab / TP]
+    against labels [batch, seq], computed in fp32."""
+    return vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).mean()
+
+
+def stage_seed(seed: int, stage_index: int) -> int:
+    """Init seed of pipeline stage `stage_index` (0: embedding, 1..L: layers, L+1: head)."""
+    return seed * 1_000_003 + stage_index
+
+
+class BeliefLM(MegatronModule):
+    """The whole model in one process (tensor parallelism inside the layers)."""
+
+    def __init__(
+        self, model: ModelConfig, vocab_size: int, tensor_parallel: int = 1, seed: int = 0
+    ):
+        config = transformer_config(model, tensor_parallel)
+        super().__init__(config=config)
+        self.model_config = model
+        self.embedding = TokenEmbedding(config, model, vocab_size, stage_seed(seed, 0))
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(config, model, layer_number=i + 1, seed=stage_seed(seed, i + 1))
+            for i in range(model.num_layers)
+        )
+        self.head = OutputHead(
+            config, vocab_size, model.tie_embeddings, stage_seed(seed, model.num_layers + 1)
+        )
+
+    def forward(self, tokens: Tensor, labels: Tensor | None = None) -> Tensor:
+        """Logits [seq, batch, vocab / TP], or the mean loss when labels are given."""
+        hidden = self.embedding(tokens)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        tied = self.embedding.word_embeddings.weight if self.model_config.tie_embeddings else None
+        logits = self.head(hidden, tied)
+        return logits if labels is None else lm_loss(logits, labels)
+
+
+def count_parameters(module: torch.nn.Module) -> int:
+    """Number of distinct parameters (a tied weight counts once)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def padded_vocab_size(tokenizer_vocab: int, model: ModelConfig, tensor_parallel: int) -> int:
+    """model.vocab_size if set (checked to hold the tokenizer), else the tokenizer's size
+    rounded up to a multiple of make_vocab_size_divisible_by x TP."""
+    if model.vocab_size is not None:
+        if model.vocab_size < tokenizer_vocab:
+            raise ValueError(
+                f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's "
+                f"vocabulary ({tokenizer_vocab})"
+            )
+        if model.vocab_size % tensor_parallel:
+            raise ValueError(
+                f"model.vocab_size ({model.vocab_size}) is not divisible by the "
+                f"tensor-parallel size ({tensor_parallel})"
+            )
+        return model.vocab_size
+    multiple = model.make_vocab_size_divisible_by * tensor_parallel
+    return -(-tokenizer_vocab // multiple) * multiple
