@@ -1,0 +1,1 @@
+"""Streaming tokenization: document sources -> sentencepiece ids -> packed windows."""

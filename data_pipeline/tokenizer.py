@@ -1,0 +1,129 @@
+"""sentencepiece tokenizers: train one on a sample of documents, load one, encode text.
+
+Trained models use BPE with byte fallback (no unknown characters), identity normalisation
+and no dummy prefix, so decode(encode(text)) == text; ids 0-3 are unk, bos, eos, pad.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+MAX_PIECE_INPUT_BYTES = 4096
+"""sentencepiece silently drops training sentences longer than its max_sentence_length;
+we cut documents into paragraphs/lines below this size instead."""
+
+
+class Tokenizer:
+    """A loaded sentencepiece model."""
+
+    def __init__(self, model_file: str | Path):
+        self.path = Path(model_file)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (OSError, RuntimeError) as err:
+            raise ValueError(f"cannot load sentencepiece model {self.path}: {err}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    @property
+    def eos_id(self) -> int:
+        return self.sp.eos_id()
+
+    @property
+    def bos_id(self) -> int:
+        return self.sp.bos_id()
+
+    @property
+    def pad_id(self) -> int:
+        return self.sp.pad_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode many texts in sentencepiece's C++ thread pool."""
+        return self.sp.encode(list(texts))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.sp.decode(list(ids))
+
+
+def training_pieces(texts: Iterable[str]) -> Iterator[str]:
+    """Cut documents into paragraphs (then lines, then bytes) that sentencepiece accepts."""
+    for text in texts:
+        for paragraph in text.split("\n\n"):
+            if len(paragraph.encode("utf-8")) <= MAX_PIECE_INPUT_BYTES:
+                if paragraph.strip():
+                    yield paragraph
+                continue
+            for line in paragraph.split("\n"):
+                while line:
+                    head = line.encode("utf-8")[:MAX_PIECE_INPUT_BYTES].decode("utf-8", "ignore")
+                    yield head
+                    line = line[len(head) :]
+
+
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, output: str | Path, max_pieces: int = 2_000_000
+) -> Tokenizer:
+    """Train a BPE sentencepiece model on `texts` and write it to `output` atomically."""
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=training_pieces(texts),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=vocab_size,
+        byte_fallback=True,
+        character_coverage=0.9995,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+        input_sentence_size=max_pieces,
+        shuffle_input_sentence=True,
+        max_sentence_length=MAX_PIECE_INPUT_BYTES * 2,
+        num_threads=min(16, os.cpu_count() or 1),
+        minloglevel=2,
+    )
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=output.parent, delete=False, suffix=".tmp") as tmp:
+        tmp.write(model.getvalue())
+    os.replace(tmp.name, output)
+    return Tokenizer(output)
+
+
+def cached_tokenizer(
+    key_parts: Sequence[str], texts: Iterable[str], vocab_size: int, cache_dir: str | Path
+) -> Tokenizer:
+    """The tokenizer trained on `texts`, trained once and then reused from the cache.
+
+    `key_parts` must identify the texts (e.g. source URIs and versions).
+    """
+    key = hashlib.sha256("\n".join([*key_parts, f"vocab={vocab_size}", spm.__version__]).encode())
+    path = Path(cache_dir).expanduser() / "tokenizers" / f"{key.hexdigest()[:16]}.model"
+    if path.exists():
+        return Tokenizer(path)
+    return train_tokenizer(texts, vocab_size, path)
+
+
+def copy_model(tokenizer: Tokenizer, destination: str | Path) -> Path:
+    """Copy the model file next to a run/checkpoint so it is self-contained."""
+    destination = Path(destination)
+    shutil.copyfile(tokenizer.path, destination)
+    return destination

@@ -1,0 +1,41 @@
+import pytest
+
+from data_pipeline import tokenizer as tk
+from data_pipeline.embedded import embedded_documents
+
+
+def test_round_trip_and_special_ids(embedded_tokenizer):
+    tok = embedded_tokenizer
+    assert tok.vocab_size == 4096
+    assert (tok.sp.unk_id(), tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2, 3)
+    docs = embedded_documents()[:300]
+    ids = tok.encode_batch([d.text for d in docs])
+    assert all(tok.decode(i) == d.text for i, d in zip(ids, docs, strict=True))
+    odd = "  indented\n\ttab, émigré, 東京, emoji 🙂, \x00 nul"
+    assert tok.decode(tok.encode(odd)) == odd  # byte fallback: nothing is unknown
+    assert tok.sp.unk_id() not in tok.encode(odd)
+
+
+def test_cache_trains_once(cache_dir, embedded_tokenizer, monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("retrained although cached")
+
+    monkeypatch.setattr(tk, "train_tokenizer", fail)
+    again = tk.cached_tokenizer(["embedded"], (), 4096, cache_dir)
+    assert again.path == embedded_tokenizer.path
+
+
+def test_training_pieces_fit_sentencepiece():
+    long_line = "word " * 3000
+    text = f"short paragraph\n\n{long_line}\nnext line\n\n\n\n"
+    pieces = list(tk.training_pieces([text]))
+    assert pieces[0] == "short paragraph"
+    assert all(0 < len(p.encode()) <= tk.MAX_PIECE_INPUT_BYTES for p in pieces)
+    assert "".join(pieces[1:-1]) == long_line
+
+
+def test_bad_model_file(tmp_path):
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match=r"cannot load sentencepiece model .*bad\.model"):
+        tk.Tokenizer(bad)
