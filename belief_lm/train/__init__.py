@@ -1,0 +1,1 @@
+"""Training: optimizer and schedule, the DeepSpeed engine, metrics, the loop."""

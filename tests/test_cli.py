@@ -1,0 +1,61 @@
+"""The `belief-lm` command as users run it (a subprocess, with a timeout)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def belief_lm(*args, timeout=300):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    return subprocess.run(
+        [sys.executable, "-m", "belief_lm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_train_command(tmp_path, cache_dir):
+    out = belief_lm(
+        "train",
+        "--config",
+        "configs/tiny.yaml",
+        "train.max_steps=5",
+        "run.log_interval=5",
+        "model.num_layers=1",
+        f"run.output_dir={tmp_path}",
+        f"run.cache_dir={cache_dir}",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "done: 5 steps" in out.stderr
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["model.atention=belief"], "model.atention: unknown key (did you mean 'attention'?)"),
+        (["train.max_steps=0"], "train.max_steps = 0: Input should be greater than 0"),
+        (["parallel.tensor=3"], "world size 1 is not divisible by parallel.tensor (3)"),
+    ],
+)
+def test_bad_config_exits_2_before_any_work(tmp_path, args, message):
+    out = belief_lm(
+        "train", "--config", "configs/tiny.yaml", f"run.output_dir={tmp_path}/run", *args
+    )
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_command_prints_the_effective_config():
+    out = belief_lm("config", "--config", "configs/tiny.yaml", "model.attention=belief")
+    assert out.returncode == 0
+    assert "attention: belief\n" in out.stdout and "num_layers: 4\n" in out.stdout
