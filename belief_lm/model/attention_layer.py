@@ -48,7 +48,10 @@ class FamilyCoreAttention(MegatronModule):
     Inputs are megatron's [seq, batch, heads, head_dim] (query: this rank's heads; key/value:
     its KV groups). Returns [seq, batch, heads * head_dim], or twice that for belief_star.
     Attention is always causal over the whole packed window; masks are not supported.
+    Setting `capture` to a dict makes the next forward store MH and V (for diagnostics).
     """
+
+    capture: dict | None = None
 
     def __init__(
         self,
@@ -99,9 +102,11 @@ class FamilyCoreAttention(MegatronModule):
         else:
             h = self._attend(q, k, v, scale=1)
         h = h.permute(2, 0, 1, 3)  # [s, b, heads, d]
+        v_heads = _heads_from_groups(value, query, dim=2)  # V_m of each head's KV group
+        if self.capture is not None:
+            self.capture.update(mh=h.flatten(2).detach(), v=v_heads.flatten(2).detach())
         if self.residual == "mh":
             return h.flatten(2)
-        v_heads = _heads_from_groups(value, query, dim=2)  # V_m of each head's KV group
         if self.residual == "attentionx":
             return family.consensus_discrepancy(h, v_heads, self.gamma).flatten(2)
         delta = family.global_orthogonal_residual(h.flatten(2), v_heads.flatten(2), self.shard_sum)

@@ -23,10 +23,13 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
@@ -124,8 +127,11 @@ class DecoderLayer(TransformerLayer):
     """One pre-norm decoder layer: x += attention(norm(x)); x += mlp(norm(x)).
 
     Takes and returns only the hidden states, so it is also a pipeline stage; RoPE angles
-    are computed (and cached) here rather than passed between stages.
+    are computed (and cached) here rather than passed between stages. With `recompute`
+    set, its activations are recomputed in backward instead of stored.
     """
+
+    recompute = False
 
     def __init__(self, config: TransformerConfig, model: ModelConfig, layer_number: int, seed: int):
         with seeded_init(seed):
@@ -137,6 +143,13 @@ class DecoderLayer(TransformerLayer):
         self.rope_base = model.rotary_base if model.position_embedding == "rope" else None
 
     def forward(self, hidden_states: Tensor) -> Tensor:  # type: ignore[override]
+        if self.recompute and self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(
+                self._forward, hidden_states, use_reentrant=False
+            )
+        return self._forward(hidden_states)
+
+    def _forward(self, hidden_states: Tensor) -> Tensor:
         rope = None
         if self.rope_base is not None:
             rope = rotary_frequencies(
@@ -149,17 +162,25 @@ class DecoderLayer(TransformerLayer):
         return output
 
 
-class OutputHead(MegatronModule):
-    """Last stage: final norm and the vocab-parallel output layer -> logits [seq, batch,
-    vocab / TP]. With tied embeddings it owns no weight and is handed the embedding's."""
+def final_norm_class(config: TransformerConfig) -> type[torch.nn.Module]:
+    """torch's LayerNorm or RMSNorm, as megatron's local spec uses in the layers; built
+    with (hidden_size, eps=layernorm_epsilon)."""
+    return torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+
+
+def vocab_parallel_logits(hidden: Tensor, weight: Tensor) -> Tensor:
+    """Logits for this rank's vocabulary shard: the input is replicated over TP ranks, so
+    its gradient is summed over them (megatron's copy-to-TP region) before the matmul."""
+    return F.linear(copy_to_tensor_model_parallel_region(hidden), weight)
+
+
+class OutputLayer(ColumnParallelLinear):
+    """Last stage: hidden [seq, batch, hidden] -> logits [seq, batch, vocab / TP].
+    With tied embeddings it owns no weight and is handed the embedding's."""
 
     def __init__(self, config: TransformerConfig, vocab_size: int, tied: bool, seed: int):
-        super().__init__(config=config)
         with seeded_init(seed):
-            self.final_norm = WrappedTorchNorm(
-                config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
-            )
-            self.output_layer = ColumnParallelLinear(
+            super().__init__(
                 config.hidden_size,
                 vocab_size,
                 config=config,
@@ -169,9 +190,8 @@ class OutputHead(MegatronModule):
                 skip_weight_param_allocation=tied,
             )
 
-    def forward(self, hidden_states: Tensor, tied_weight: Tensor | None = None) -> Tensor:
-        logits, _ = self.output_layer(self.final_norm(hidden_states), weight=tied_weight)
-        return logits
+    def forward(self, hidden: Tensor, tied_weight: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        return vocab_parallel_logits(hidden, self.weight if tied_weight is None else tied_weight)
 
 
 def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -181,12 +201,13 @@ def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def stage_seed(seed: int, stage_index: int) -> int:
-    """Init seed of pipeline stage `stage_index` (0: embedding, 1..L: layers, L+1: head)."""
+    """Init seed of model part `stage_index` (0: embedding, 1..L: layers, L+1: output)."""
     return seed * 1_000_003 + stage_index
 
 
 class BeliefLM(MegatronModule):
-    """The whole model in one process (tensor parallelism inside the layers)."""
+    """The whole model in one process (tensor parallelism inside the layers). The pipeline
+    (belief_lm/parallel/pipeline.py) is built from the same parts with the same seeds."""
 
     def __init__(
         self, model: ModelConfig, vocab_size: int, tensor_parallel: int = 1, seed: int = 0
@@ -199,7 +220,8 @@ class BeliefLM(MegatronModule):
             DecoderLayer(config, model, layer_number=i + 1, seed=stage_seed(seed, i + 1))
             for i in range(model.num_layers)
         )
-        self.head = OutputHead(
+        self.final_norm = final_norm_class(config)(config.hidden_size, eps=config.layernorm_epsilon)
+        self.output_layer = OutputLayer(
             config, vocab_size, model.tie_embeddings, stage_seed(seed, model.num_layers + 1)
         )
 
@@ -209,7 +231,7 @@ class BeliefLM(MegatronModule):
         for layer in self.layers:
             hidden = layer(hidden)
         tied = self.embedding.word_embeddings.weight if self.model_config.tie_embeddings else None
-        logits = self.head(hidden, tied)
+        logits = self.output_layer(self.final_norm(hidden), tied)
         return logits if labels is None else lm_loss(logits, labels)
 
 

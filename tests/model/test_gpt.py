@@ -70,10 +70,10 @@ def test_gpt2_and_tiny_tie_embeddings(name):
         seq_length=16,
     )
     model = BeliefLM(cfg, 256)
-    assert model.head.output_layer.weight is None
+    assert model.output_layer.weight is None
     tokens = torch.randint(0, 256, (1, 16))
     logits = model(tokens)
-    hidden = model.head.final_norm(model.layers[0](model.embedding(tokens)))
+    hidden = model.final_norm(model.layers[0](model.embedding(tokens)))
     torch.testing.assert_close(logits, hidden @ model.embedding.word_embeddings.weight.T)
 
 
