@@ -1,0 +1,61 @@
+"""Whole tensors from tensor-parallel shards (for comparisons, exports, conversions)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from torch import Tensor
+
+
+def gather_tensor_parallel(shard: Tensor, like: torch.nn.Parameter) -> Tensor:
+    """The full tensor of which `shard` is this rank's piece, sharded as megatron shards
+    parameter `like` (its tensor_model_parallel / partition_dim / partition_stride).
+
+    With stride s each rank holds s chunks: chunk j of rank r is piece j*TP + r of the full
+    tensor (megatron's layout for the gated MLP's [gate; up] weight). Collective over the
+    TP group; returns `shard` itself for replicated parameters.
+    """
+    group = ps.get_tensor_model_parallel_group()
+    world = dist.get_world_size(group)
+    if world == 1 or not getattr(like, "tensor_model_parallel", False):
+        return shard
+    pieces = [torch.empty_like(shard) for _ in range(world)]
+    dist.all_gather(pieces, shard.contiguous(), group=group)
+    dim, stride = like.partition_dim, getattr(like, "partition_stride", 1)
+    chunks = [piece.chunk(stride, dim=dim) for piece in pieces]
+    return torch.cat([chunks[r][j] for j in range(stride) for r in range(world)], dim=dim)
+
+
+def count_model_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters of the whole model, summed over this rank's tensor- and
+    pipeline-parallel peers (collective over megatron's model-parallel group).
+
+    TP-sharded weights count on every TP rank (each holds a slice), replicated ones on TP
+    rank 0 only; a tied embedding's copy on the output stage is not counted again.
+    """
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    first_stage = ps.is_pipeline_first_stage()
+    total = 0
+    for name, param in model.named_parameters():
+        if name.startswith("tied_modules.") and not first_stage:
+            continue
+        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+            total += param.numel()
+    total = torch.tensor(total, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return int(total.item())
+
+
+def full_state_dict(module: torch.nn.Module, rename=None) -> dict[str, Tensor]:
+    """This rank's parameters as whole tensors (TP shards gathered), keyed by
+    `rename(name)` (e.g. pipeline names to BeliefLM's; None drops the entry). Collective
+    over the TP group: every TP rank must call it."""
+    state = {}
+    for name, param in module.named_parameters():
+        full = gather_tensor_parallel(param.detach(), param)
+        key = rename(name) if rename else name
+        if key is not None:
+            state[key] = full
+    return state
