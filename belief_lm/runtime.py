@@ -16,19 +16,28 @@ import torch
 def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     """The compute device for this process.
 
-    On CPU this also points DeepSpeed at its CPU accelerator, which must happen before
-    deepspeed is first imported (it picks the accelerator at import time).
+    DeepSpeed fixes its accelerator when first imported (CUDA if torch sees a GPU, else
+    CPU, unless DS_ACCELERATOR says otherwise): set it here when it is not yet imported,
+    and fail clearly if an earlier import chose a different one.
     """
     use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("run.device=cuda but torch sees no CUDA device")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if "deepspeed" not in sys.modules:
+        os.environ["DS_ACCELERATOR"] = device.type
+    else:
+        from deepspeed.accelerator import get_accelerator
+
+        chosen = get_accelerator().device_name()
+        if chosen != device.type:
+            raise RuntimeError(
+                f"deepspeed was imported with accelerator {chosen!r} before the run chose "
+                f"{device.type!r}; set DS_ACCELERATOR={device.type}"
+            )
     if use_cuda:
-        if not torch.cuda.is_available():
-            raise RuntimeError("run.device=cuda but torch sees no CUDA device")
         torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    if "deepspeed" in sys.modules and os.environ.get("DS_ACCELERATOR") != "cpu":
-        raise RuntimeError("deepspeed was imported before select_device chose the CPU")
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    return torch.device("cpu")
+    return device
 
 
 def environment_record() -> dict:

@@ -1,15 +1,24 @@
-"""The DeepSpeed engine around our model: ZeRO, gradient accumulation, clipping, bf16.
+"""The DeepSpeed engine around our model: ZeRO, pipeline, accumulation, clipping, bf16.
 
-We hand DeepSpeed a ready optimizer (torch AdamW) and scheduler; the engine owns the
-accumulation boundary, clipping, the optimizer/scheduler steps, and checkpoints.
+Without pipeline parallelism the plain engine wraps `BeliefLM` (ZeRO 0-3, tensor
+parallelism described to DeepSpeed by the mpu adapter); with it, the pipeline engine runs
+1F1B over the stages of `belief_lm.parallel.pipeline` (ZeRO-1 at most: DeepSpeed's limit).
+We hand DeepSpeed a ready optimizer and scheduler; the engine owns the accumulation
+boundary, clipping, the optimizer/scheduler steps, and checkpoints.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from belief_lm.config import Config
-from belief_lm.train.optim import build_optimizer
+from belief_lm.model.gpt import BeliefLM, DecoderLayer
+from belief_lm.parallel.mpu import MegatronMPU
+from belief_lm.parallel.setup import Layout
+from belief_lm.parallel.topology import assert_same_layout, deepspeed_topology
+from belief_lm.train.optim import GuardedAdamW, build_optimizer
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
@@ -31,6 +40,21 @@ def grad_accumulation_steps(cfg: Config, data_parallel: int) -> int:
     return cfg.train.global_batch_size // per_step
 
 
+def check_engine_settings(cfg: Config) -> None:
+    """Combinations DeepSpeed cannot run, refused before any work."""
+    if cfg.parallel.pipeline > 1 and cfg.parallel.zero_stage > 1:
+        raise ValueError(
+            f"parallel.zero_stage={cfg.parallel.zero_stage} cannot be combined with "
+            f"parallel.pipeline={cfg.parallel.pipeline}: DeepSpeed's pipeline engine "
+            "supports ZeRO stage 0 or 1"
+        )
+    if cfg.parallel.pipeline > cfg.model.num_layers:
+        raise ValueError(
+            f"parallel.pipeline ({cfg.parallel.pipeline}) exceeds model.num_layers "
+            f"({cfg.model.num_layers}): every stage needs a decoder layer"
+        )
+
+
 def deepspeed_config(cfg: Config, data_parallel: int, bf16: bool) -> dict:
     """DeepSpeed's JSON config, derived from ours (users never write it by hand)."""
     return {
@@ -40,43 +64,96 @@ def deepspeed_config(cfg: Config, data_parallel: int, bf16: bool) -> dict:
         # DeepSpeed defaults clipping to 1.0 when unset: always state it.
         "gradient_clipping": cfg.train.grad_clip,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        # ZeRO checks the optimizer's exact type; ours is torch's AdamW plus a skip guard.
+        "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": bf16},
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "wall_clock_breakdown": False,
     }
 
 
-def build_engine(
-    model: torch.nn.Module, cfg: Config, data_parallel: int, device: torch.device, mpu=None
-):
-    """deepspeed.initialize with our optimizer, schedule and config; returns the engine.
-    `mpu` describes tensor/data-parallel groups to DeepSpeed (None without TP)."""
-    import deepspeed
+@dataclass
+class Trainee:
+    """What training needs from the set-up: the engine, our optimizer (for `skipped`) and
+    the model's size."""
+
+    engine: object
+    optimizer: GuardedAdamW
+    parameters: int
+    pipelined: bool
+
+
+def build_engine(cfg: Config, layout: Layout, vocab_size: int, device: torch.device) -> Trainee:
+    """Build this rank's model (or pipeline stage) and wrap it in DeepSpeed's engine."""
+    import deepspeed  # imported after select_device set the accelerator
+
+    from belief_lm.parallel.gather import count_model_parameters
+    from belief_lm.parallel.pipeline import build_pipeline
+
+    topology = deepspeed_topology(layout)
+    assert_same_layout(topology)
+    pipelined = layout.pipeline > 1
+    if pipelined:
+        model = build_pipeline(cfg.model, vocab_size, topology, layout.tensor, cfg.run.seed)
+        if model.stage_id > 0:  # the output stage's copy of a tied embedding
+            for name, param in model.named_parameters():
+                param.pipeline_duplicate = name.startswith("tied_modules.")
+    else:
+        model = BeliefLM(cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed)
+    model.to(device)
+    if cfg.train.activation_checkpointing:
+        for module in model.modules():
+            if isinstance(module, DecoderLayer):
+                module.recompute = True
+    parameters = count_model_parameters(model)  # before ZeRO-3 partitions them away
 
     optimizer, scheduler = build_optimizer(model, cfg.train, device)
     bf16 = use_bf16(cfg.train.precision, device)
-    ds_config = deepspeed_config(cfg, data_parallel, bf16)
+    ds_config = deepspeed_config(cfg, layout.data, bf16)
     if cfg.parallel.zero_stage == 0 and not bf16:
         # Here DeepSpeed would clip but drop the norm; clip in a pre-step hook instead.
         ds_config["gradient_clipping"] = 0.0
-        optimizer.register_step_pre_hook(_clip_and_record_norm(cfg.train.grad_clip, mpu))
+        grid = model.mpu() if pipelined else MegatronMPU()
+        optimizer.register_step_pre_hook(_clip_and_record_norm(cfg.train.grad_clip, grid))
+    mpu = None if pipelined else MegatronMPU()  # a pipeline module carries its own grid
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu
     )
-    return engine
+    return Trainee(engine, optimizer, parameters, pipelined)
 
 
 def _clip_and_record_norm(max_norm: float, mpu):
-    """Optimizer pre-step hook: clip the (already data-parallel reduced) gradients and leave
-    the pre-clip norm in `optimizer._global_grad_norm`, where DeepSpeed's engine reads it
-    for get_global_grad_norm()."""
-    from deepspeed.runtime.utils import clip_grad_norm_, get_flattened_grad_norm
+    """Optimizer pre-step hook: clip the (already data-parallel reduced) gradients by their
+    global norm and leave the pre-clip norm in `optimizer._global_grad_norm`, where
+    DeepSpeed's engine reads it for get_global_grad_norm(). The clip coefficient is
+    DeepSpeed's, max_norm / (norm + 1e-6)."""
 
     def hook(optimizer, args, kwargs):
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if max_norm > 0:
-            optimizer._global_grad_norm = clip_grad_norm_(params, max_norm, mpu=mpu)
-        else:
-            optimizer._global_grad_norm = get_flattened_grad_norm(params, mpu=mpu)
+        norm = global_grad_norm(params, mpu)
+        coefficient = max_norm / (norm + 1e-6)
+        if max_norm > 0 and coefficient < 1:
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], coefficient)
+        optimizer._global_grad_norm = norm
 
     return hook
+
+
+def global_grad_norm(params: list[torch.nn.Parameter], mpu) -> float:
+    """2-norm of the whole model's gradient: TP-replicated weights counted on TP rank 0
+    only, the output stage's copy of a tied embedding not at all, squares summed over the
+    model-parallel (TP x PP) group. DeepSpeed's own helpers each miss one of these rules."""
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    grads = [
+        p.grad
+        for p in params
+        if p.grad is not None
+        and not getattr(p, "pipeline_duplicate", False)
+        and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+    ]
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        squares = torch.nn.utils.get_total_norm(grads).float().square()
+    torch.distributed.all_reduce(squares, group=mpu.get_model_parallel_group())
+    return float(squares.sqrt())

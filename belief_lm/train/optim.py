@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from belief_lm.config import TrainConfig
 
@@ -39,11 +40,35 @@ class WarmupCosine:
         return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class GuardedAdamW(torch.optim.AdamW):
+    """torch's AdamW that skips an update, on every rank together, when any rank holds a
+    non-finite gradient (a non-finite loss makes its gradients non-finite).
+
+    DeepSpeed calls step() on every rank at each optimizer step (ZeRO calls it on its flat
+    fp32 partitions), so the decision is one all-reduce of a flag over the world, after the
+    gradients were reduced and before anything is updated; `skipped` tells the caller.
+    """
+
+    skipped = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = (p for group in self.param_groups for p in group["params"])
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = torch.ones((), device=grads[0].device if grads else "cpu")
+        if grads:
+            finite = torch.isfinite(torch.nn.utils.get_total_norm(grads)).to(finite.dtype)
+        if dist.is_initialized():
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        self.skipped = not bool(finite)  # host-device sync, once per optimizer step
+        return None if self.skipped else super().step(closure)
+
+
 def build_optimizer(
     model: torch.nn.Module, train: TrainConfig, device: torch.device
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """torch's AdamW (fused kernel on GPU) and its LambdaLR schedule."""
-    optimizer = torch.optim.AdamW(
+) -> tuple[GuardedAdamW, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW (fused kernel on GPU) that skips non-finite steps, and its LambdaLR schedule."""
+    optimizer = GuardedAdamW(
         param_groups(model, train.weight_decay),
         lr=train.lr,
         betas=(train.beta1, train.beta2),
