@@ -171,7 +171,10 @@ class ParallelConfig(Section):
     pipeline: PositiveInt = 1
     """Pipeline-parallel stages."""
     zero_stage: Literal[0, 1, 2, 3] = 1
-    """DeepSpeed ZeRO stage for the data-parallel optimizer state."""
+    """DeepSpeed ZeRO stage for the data-parallel optimizer state (at most 1 with a
+    pipeline)."""
+    timeout_s: PositiveInt = 600
+    """Seconds a rank waits in a collective before failing, so a dead peer ends the job."""
 
 
 class TrainConfig(Section):
@@ -183,6 +186,9 @@ class TrainConfig(Section):
     """Sequences per forward/backward on one data-parallel rank."""
     global_batch_size: PositiveInt = 8
     """Sequences per optimizer step over all ranks (reached by gradient accumulation)."""
+    global_batch_tokens: PositiveInt | None = None
+    """Tokens per optimizer step instead of global_batch_size (a multiple of
+    model.seq_length); sets global_batch_size."""
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate."""
     min_lr: float = Field(1e-4, ge=0)
@@ -203,6 +209,11 @@ class TrainConfig(Section):
     """Global gradient-norm clip; 0 disables it."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision; auto: bf16 on GPU, fp32 on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them."""
+    max_nonfinite_steps: PositiveInt = 5
+    """Consecutive steps with a non-finite gradient (skipped on every rank) after which
+    the run stops with an error."""
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -231,6 +242,10 @@ class RunConfig(Section):
     """Where to compute; auto: cuda if available."""
     cache_dir: str = "~/.cache/belief-lm"
     """Cache of trained tokenizers and prepared data."""
+    diagnostics_interval: int = Field(0, ge=0)
+    """Steps between belief diagnostics per layer (BeliefFormer Fig. 4); 0: never."""
+    peak_tflops: float | None = Field(None, gt=0)
+    """Peak dense TFLOP/s of one device, for MFU; None: looked up for known GPUs (bf16)."""
 
 
 class Config(Section):
@@ -241,6 +256,27 @@ class Config(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _batch_in_tokens(self) -> Config:
+        tokens = self.train.global_batch_tokens
+        if tokens is None:
+            return self
+        if tokens % self.model.seq_length:
+            raise ValueError(
+                f"train.global_batch_tokens ({tokens}) must be a multiple of "
+                f"model.seq_length ({self.model.seq_length})"
+            )
+        sequences = tokens // self.model.seq_length
+        if "global_batch_size" in self.train.model_fields_set and (
+            self.train.global_batch_size != sequences
+        ):
+            raise ValueError(
+                f"train.global_batch_size ({self.train.global_batch_size}) and "
+                f"train.global_batch_tokens ({tokens}) disagree; set one of them"
+            )
+        self.train.global_batch_size = sequences
+        return self
 
     def to_yaml(self) -> str:
         """The effective config as YAML (every field, defaults included)."""
@@ -318,7 +354,8 @@ def _describe(err: ValidationError, root: type[BaseModel]) -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"{loc}: unknown key{_suggest(e['loc'], root)}")
         elif e["type"] == "value_error":
-            lines.append(f"{loc}: {e['msg'].removeprefix('Value error, ')}")
+            message = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc}: {message}" if loc else message)
         else:
             lines.append(f"{loc} = {e.get('input')!r}: {e['msg']}")
     return "invalid config:\n  " + "\n  ".join(lines)

@@ -83,6 +83,27 @@ def test_errors_name_the_key(overrides, message):
     assert message in str(err.value)
 
 
+def test_global_batch_in_tokens():
+    cfg = load_config(
+        "configs/model/tiny.yaml", ["model.seq_length=64", "train.global_batch_tokens=1024"]
+    )
+    assert cfg.train.global_batch_size == 16
+    assert load_config(None, [f"{k}={v}" for k, v in _flat(cfg)]) == cfg  # round trip
+    with pytest.raises(ConfigError, match=r"global_batch_tokens \(1000\) must be a multiple"):
+        load_config("configs/model/tiny.yaml", ["train.global_batch_tokens=1000"])
+    with pytest.raises(ConfigError, match="disagree; set one of them"):
+        load_config("configs/tiny.yaml", ["train.global_batch_tokens=1024"])
+
+
+def _flat(cfg):
+    return [
+        (f"{section}.{key}", value)
+        for section, values in cfg.model_dump(mode="json").items()
+        for key, value in values.items()
+        if not isinstance(value, dict | list) and value is not None
+    ]
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"config file not found: .*missing\.yaml"):
         load_config(tmp_path / "missing.yaml")

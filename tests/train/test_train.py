@@ -54,8 +54,9 @@ def test_run_directory_contents(tmp_path, cache_dir):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 4]
     for row in rows:
-        assert set(row) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(row)
         assert row["grad_norm"] > 0 and row["tokens_per_s"] > 0
+        assert row["tflops_per_device"] > 0 and row["memory_gb"] > 0 and row["data_wait_s"] >= 0
     assert (tmp_path / "tokenizer.model").stat().st_size > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -89,6 +90,11 @@ def test_zero_stages_and_accumulation_agree(tmp_path, cache_dir):
     ("overrides", "message"),
     [
         (["parallel.tensor=2"], "world size 1 is not divisible by parallel.tensor (2)"),
+        (
+            ["parallel.pipeline=3", "model.num_layers=2"],
+            "parallel.pipeline (3) exceeds model.num_layers (2)",
+        ),
+        (["parallel.zero_stage=2", "parallel.pipeline=2"], "zero_stage=2 cannot be combined"),
         (["train.precision=bf16"], "train.precision=bf16 needs a GPU"),
         (["data.sources=[nowhere]"], "data.sources.0.uri: unknown data source 'nowhere'"),
         (["data.tokenizer.path=/does/not/exist.model"], "data.tokenizer.path: no such file"),
@@ -99,3 +105,19 @@ def test_bad_settings_fail_before_training(tmp_path, cache_dir, overrides, messa
         train(small(tmp_path, cache_dir, *overrides))
     assert message in str(err.value)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tmp_path, cache_dir):
+    plain = train(small(tmp_path / "a", cache_dir, "train.max_steps=4"))
+    recomputed = train(
+        small(tmp_path / "b", cache_dir, "train.max_steps=4", "train.activation_checkpointing=true")
+    )
+    assert list(recomputed.losses.values()) == pytest.approx(list(plain.losses.values()), abs=1e-6)
+
+
+def test_belief_diagnostics_logged(tmp_path, cache_dir):
+    train(small(tmp_path, cache_dir, "train.max_steps=4", "run.diagnostics_interval=2"))
+    rows = [json.loads(x) for x in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4]
+    for layer in (1, 2):
+        assert 0 < rows[-1][f"layer{layer}/delta_over_mh"] <= 1 + 1e-6

@@ -1,0 +1,74 @@
+"""Belief diagnostics per layer (BeliefFormer Fig. 4), measured on a training batch.
+
+For every decoder layer, averaged over tokens: ||Δ|| / ||MH|| (Δ the global orthogonal
+residual of MH against V), and the cosine of the angle between the token X entering the
+layer and each of Δ W^o and MH W^o. For variants other than belief/belief_star, Δ is what
+belief-attention would have used. Tensor-parallel shards are summed; pipeline stages
+report their own layers and the results are gathered on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+
+from belief_lm.attention import global_orthogonal_residual
+from belief_lm.model.gpt import DecoderLayer
+
+
+@torch.no_grad()
+def belief_diagnostics(engine, tokens: torch.Tensor, labels: torch.Tensor, pipelined: bool) -> dict:
+    """{'layer{n}/delta_over_mh': ..., 'layer{n}/cos_delta_wo_x': ..., 'layer{n}/cos_mh_wo_x'}
+    from one forward pass over (tokens, labels). Collective: every rank must call it."""
+    layers = [m for m in engine.module.modules() if isinstance(m, DecoderLayer)]
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = []
+    for layer in layers:
+        layer.self_attention.core_attention.capture = {}
+        hooks.append(
+            layer.register_forward_pre_hook(
+                lambda module, args: inputs.__setitem__(module.layer_number, args[0].detach())
+            )
+        )
+    was_training = engine.module.training
+    engine.module.eval()
+    try:
+        if pipelined:
+            engine.eval_batch(iter([(tokens, labels)]), num_micro_batches=1)
+        else:
+            engine.module(tokens)
+    finally:
+        engine.module.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    results = {}
+    for layer in layers:
+        captured = layer.self_attention.core_attention.capture
+        layer.self_attention.core_attention.capture = None
+        results.update(_layer_stats(layer, inputs[layer.layer_number], **captured))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+def _layer_stats(layer: DecoderLayer, x: torch.Tensor, mh: torch.Tensor, v: torch.Tensor) -> dict:
+    attention = layer.self_attention
+    delta = global_orthogonal_residual(mh, v, attention.core_attention.shard_sum)
+    weight = attention.linear_proj.weight  # W^o, this rank's input columns
+    delta_wo, mh_wo = _tp_sum(F.linear(delta, weight)), _tp_sum(F.linear(mh, weight))
+    squares = _tp_sum(torch.stack([delta.float().square().sum(-1), mh.float().square().sum(-1)]))
+    n = layer.layer_number
+    return {
+        f"layer{n}/delta_over_mh": float((squares[0] / squares[1]).sqrt().mean()),
+        f"layer{n}/cos_delta_wo_x": float(F.cosine_similarity(delta_wo, x, dim=-1).mean()),
+        f"layer{n}/cos_mh_wo_x": float(F.cosine_similarity(mh_wo, x, dim=-1).mean()),
+    }
+
+
+def _tp_sum(tensor: torch.Tensor) -> torch.Tensor:
+    group = ps.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor

@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+from belief_lm.config import load_config
+from belief_lm.model.attention_layer import VARIANTS
+from belief_lm.model.gpt import BeliefLM
+from belief_lm.train.flops import flops_per_token, matmul_weights, peak_tflops
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-124m", "llama-188m"])
+@pytest.mark.parametrize("variant", ["softmax", "belief_star"])
+def test_matmul_weights_match_the_model(single_process_group, preset, variant):
+    cfg = load_config(f"configs/model/{preset}.yaml", [f"model.attention={variant}"]).model
+    vocab = cfg.vocab_size or 4096
+    with torch.device("meta"):
+        model = BeliefLM(cfg, vocab)
+    counted = sum(
+        p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "embedding" not in name
+    )
+    output = model.embedding.word_embeddings.weight.numel() if cfg.tie_embeddings else 0
+    assert matmul_weights(cfg, vocab) == counted + output
+
+
+def test_flops_per_token_and_peak():
+    cfg = load_config("configs/model/gpt2-124m.yaml").model
+    # nanoGPT's estimate for GPT-2 small: 6N + 12 L H Q T with N = non-embedding + head
+    n = matmul_weights(cfg, 50304)
+    assert flops_per_token(cfg, 50304) == 6 * n + 12 * 12 * 1024 * 768
+    assert peak_tflops(torch.device("cpu"), None) is None
+    assert peak_tflops(torch.device("cpu"), 2.5) == 2.5
+    assert set(VARIANTS) >= {"belief_star"}
