@@ -1,0 +1,106 @@
+"""Running torchrun jobs from tests: always under a timeout, output kept for failures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None):
+    """Run `torchrun --nproc_per_node=nproc args...` from the repo root; kill it after
+    `timeout` seconds (a crashed gloo rank would otherwise leave the others waiting)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--standalone", *args,
+    ]  # fmt: skip
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(key, None)
+    return subprocess.run(
+        command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_driver(out_dir: Path, tp: int, pp: int, dp: int, zero: int, variants: list[str]) -> Path:
+    """Run tests/parallel/driver.py at a layout; returns its output directory."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = torchrun(
+        tp * pp * dp, "tests/parallel/driver.py", str(out_dir), str(tp), str(pp), str(zero),
+        ",".join(variants),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> Path:
+    """Single-process (TP=PP=DP=1) records of every variant."""
+    from belief_lm.model.attention_layer import VARIANTS
+
+    return run_driver(tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, list(VARIANTS))
+
+
+@pytest.fixture(scope="session")
+def tp2(tmp_path_factory) -> Path:
+    """TP=2 records of every variant (one torchrun: start-up dominates on CPU)."""
+    from belief_lm.model.attention_layer import VARIANTS
+
+    return run_driver(tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, list(VARIANTS))
+
+
+def load_run(out_dir: Path, variant: str, zero: int) -> dict:
+    """Merge all ranks' records: losses from rank 0, gradients and parameters from every
+    stage (pipeline stages hold different parameters)."""
+    files = sorted(out_dir.glob(f"{variant}-zero{zero}-rank*.pt"))
+    assert files, f"no results for {variant} in {out_dir}"
+    records = [torch.load(f, weights_only=False) for f in files]
+    merged = {"losses": records[0]["losses"], "grad_norms": records[0]["grad_norms"]}
+    merged.update(grads=[], params={})
+    for step in range(len(records[0]["grads"])):
+        merged["grads"].append({k: v for r in records for k, v in r["grads"][step].items()})
+    for record in records:
+        merged["params"].update(record["params"])
+        assert record["losses"] == pytest.approx(merged["losses"], abs=0), "ranks disagree"
+    return merged
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """||value - reference|| / ||reference|| (0 when both are 0)."""
+    scale = reference.double().norm()
+    diff = (value.double() - reference.double()).norm()
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+def assert_equivalent(run: dict, reference: dict) -> None:
+    """Same losses, gradients (every parameter, every step) and final weights.
+
+    Bounds are per parameter, on the norm of the difference relative to the reference.
+    Step 0's gradients come from identical weights, so only fp32 rounding separates them
+    (measured ~5e-7): bound 1e-5. Each AdamW update then turns rounding noise in
+    near-zero gradient elements into weight differences of up to 2 x lr (its first step
+    is ~lr x sign(g)), measured at 1e-5..8e-5 after a few steps: bound 3e-4. A real
+    error (a wrong reduction, an unsynchronised tied weight, mis-partitioned optimizer
+    state) is O(1) at step 0 or O(lr)-per-element after it, orders of magnitude above.
+    """
+    assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+    # the clipping norm: TP-replicated weights and a pipeline's tied copy counted once
+    assert run["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=1e-5)
+    assert run["grad_norms"] == pytest.approx(reference["grad_norms"], rel=3e-4)
+    assert len(run["grads"]) == len(reference["grads"])
+    for step, (grads, ref_grads) in enumerate(zip(run["grads"], reference["grads"], strict=True)):
+        assert grads.keys() == ref_grads.keys(), f"step {step}: parameter names differ"
+        bound = 1e-5 if step == 0 else 3e-4
+        for name, ref in ref_grads.items():
+            error = relative_error(grads[name], ref)
+            assert error < bound, f"step {step} gradient of {name}: relative error {error:.2e}"
+    assert run["params"].keys() == reference["params"].keys()
+    for name, ref in reference["params"].items():
+        error = relative_error(run["params"][name], ref)
+        assert error < 3e-4, f"final {name}: relative error {error:.2e}"
