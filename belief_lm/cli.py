@@ -1,9 +1,11 @@
 """The `belief-lm` command.
 
-    belief-lm train  --config configs/tiny.yaml [section.key=value ...]
+    belief-lm train  --config configs/tiny.yaml [--resume auto|never|DIR] [section.key=value ...]
     belief-lm config --config configs/tiny.yaml [section.key=value ...]   (print, validate)
 
-Exit codes: 0 done, 1 failed while running, 2 bad command line or config.
+Exit codes: 0 done; 1 failed while running; 2 bad command line, config or checkpoint
+(nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (requeue the
+job: it resumes from there).
 """
 
 from __future__ import annotations
@@ -32,13 +34,33 @@ def _parser() -> argparse.ArgumentParser:
             metavar="section.key=value",
             help="dotted overrides, applied after the file",
         )
+        if name == "train":
+            sub.add_argument(
+                "--resume", metavar="auto|never|DIR",
+                help="checkpoint to continue from (sets checkpoint.resume; default auto)",
+            )  # fmt: skip
     return parser
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """argparse cannot split one positional list around options, so overrides are also
+    taken from what it leaves over (`a=1 --resume never b=2`)."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    stray = [x for x in rest if x.startswith("-") or "=" not in x]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = [*args.overrides, *rest]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
+    overrides = list(args.overrides)
+    if getattr(args, "resume", None):
+        overrides.append(f"checkpoint.resume={args.resume}")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"belief-lm: {err}", file=sys.stderr)
         return 2

@@ -59,9 +59,10 @@ class ModelConfig(Section):
     """Context length: tokens per training window."""
     vocab_size: PositiveInt | None = None
     """Embedding rows; None: the tokenizer's vocabulary padded to a multiple of
-    make_vocab_size_divisible_by x tensor-parallel size."""
+    make_vocab_size_divisible_by."""
     make_vocab_size_divisible_by: PositiveInt = 128
-    """Padding multiple for the vocabulary (efficient GEMMs, even TP shards)."""
+    """Padding multiple for the vocabulary (efficient GEMMs; must be divisible by the
+    tensor-parallel size)."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Pre-norm type."""
     norm_epsilon: float = Field(1e-5, gt=0)
@@ -227,6 +228,20 @@ class TrainConfig(Section):
         return self
 
 
+class CheckpointConfig(Section):
+    """When to save, how many to keep, what to resume from."""
+
+    interval: int = Field(0, ge=0)
+    """Steps between checkpoints; 0: only at the end and on a stop signal."""
+    keep: PositiveInt = 2
+    """Complete checkpoints kept in run.output_dir/checkpoints (oldest deleted first)."""
+    save_at_end: bool = True
+    """Save when train.max_steps is reached."""
+    resume: str = "auto"
+    """'auto': the newest complete checkpoint of run.output_dir, if any; 'never'; or the
+    path of a checkpoint directory."""
+
+
 class RunConfig(Section):
     """Where outputs go and how the run is logged."""
 
@@ -255,6 +270,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")

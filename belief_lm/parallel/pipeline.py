@@ -85,3 +85,14 @@ def canonical_name(pipeline_name: str, num_layers: int) -> str | None:
     if position <= num_layers:
         return f"layers.{position - 1}.{rest}"
     return f"final_norm.{rest}" if position == num_layers + 1 else f"output_layer.{rest}"
+
+
+def pipeline_name(name: str, num_layers: int, tied: bool) -> str:
+    """The PipelineModule name of BeliefLM parameter `name` (inverse of canonical_name)."""
+    part, _, rest = name.partition(".")
+    if part == "embedding":
+        return f"tied_modules.{TIED_KEY}.{rest}" if tied else f"0.{rest}"
+    if part == "layers":
+        index, _, rest = rest.partition(".")
+        return f"{int(index) + 1}.{rest}"
+    return f"{num_layers + 1 if part == 'final_norm' else num_layers + 2}.{rest}"

@@ -83,8 +83,11 @@ class Trainee:
     pipelined: bool
 
 
-def build_engine(cfg: Config, layout: Layout, vocab_size: int, device: torch.device) -> Trainee:
-    """Build this rank's model (or pipeline stage) and wrap it in DeepSpeed's engine."""
+def build_engine(
+    cfg: Config, layout: Layout, vocab_size: int, device: torch.device, load_universal: bool = False
+) -> Trainee:
+    """Build this rank's model (or pipeline stage) and wrap it in DeepSpeed's engine.
+    `load_universal`: the checkpoint to resume from is in DeepSpeed's universal format."""
     import deepspeed  # imported after select_device set the accelerator
 
     from belief_lm.parallel.gather import count_model_parameters
@@ -106,10 +109,13 @@ def build_engine(cfg: Config, layout: Layout, vocab_size: int, device: torch.dev
             if isinstance(module, DecoderLayer):
                 module.recompute = True
     parameters = count_model_parameters(model)  # before ZeRO-3 partitions them away
+    for module in model.modules():
+        module.register_state_dict_post_hook(_drop_empty_extra_state)
 
     optimizer, scheduler = build_optimizer(model, cfg.train, device)
     bf16 = use_bf16(cfg.train.precision, device)
     ds_config = deepspeed_config(cfg, layout.data, bf16)
+    ds_config["checkpoint"] = {"load_universal": load_universal}
     if cfg.parallel.zero_stage == 0 and not bf16:
         # Here DeepSpeed would clip but drop the norm; clip in a pre-step hook instead.
         ds_config["gradient_clipping"] = 0.0
@@ -120,6 +126,13 @@ def build_engine(cfg: Config, layout: Layout, vocab_size: int, device: torch.dev
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu
     )
     return Trainee(engine, optimizer, parameters, pipelined)
+
+
+def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
+    """megatron's linears put `<name>._extra_state: None` into state dicts, which DeepSpeed's
+    universal converter cannot read; megatron restores the None default when loading."""
+    for key in [k for k, v in state_dict.items() if k.endswith("._extra_state") and v is None]:
+        del state_dict[key]
 
 
 def _clip_and_record_norm(max_norm: float, mpu):

@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from belief_lm.checkpoint.store import CheckpointError
 from belief_lm.config import Config
 from belief_lm.model.gpt import padded_vocab_size
-from belief_lm.parallel.setup import check_layout, init_distributed, init_model_parallel
+from belief_lm.parallel.setup import Layout, check_layout, init_distributed, init_model_parallel
 from belief_lm.runtime import select_device
+from belief_lm.train import checkpointing
 from belief_lm.train.data import batches, build_tokenizer, check_sources, train_stream
 from belief_lm.train.diagnostics import belief_diagnostics
 from belief_lm.train.engine import (
@@ -33,8 +35,10 @@ from belief_lm.train.engine import (
 )
 from belief_lm.train.flops import flops_per_token, peak_tflops
 from belief_lm.train.metrics import MetricsLogger
-from belief_lm.train.run_dir import prepare_run_dir
-from data_pipeline.tokenizer import copy_model
+from belief_lm.train.run_dir import drop_metrics_after, prepare_run_dir
+from belief_lm.train.signals import Preempted, StopRequests
+from data_pipeline.stream import PackedWindows
+from data_pipeline.tokenizer import Tokenizer, copy_model
 from launcher import env as launcher_env
 
 log = logging.getLogger("belief_lm.train")
@@ -67,6 +71,89 @@ def preflight(cfg: Config, world_size: int, device: torch.device) -> None:
 
 
 def train(cfg: Config) -> TrainResult:
+    run = setup(cfg)
+    result = TrainResult(run_dir=run.run_dir, steps=cfg.train.max_steps)
+    with StopRequests() as stop:
+        for step in range(run.start + 1, cfg.train.max_steps + 1):
+            lr = run.trainee.engine.get_lr()[0]  # this step's rate (the schedule moves on after)
+            run.trainee.optimizer.skipped = None
+            loss = train_step(run.trainee, run.micro_batches)
+            run.consumed += run.meter.tokens_per_step
+            try:
+                check_finite(run.trainee, step, result, cfg.train.max_nonfinite_steps)
+            except NonFiniteLossError:
+                run.save(step)  # the weights are sound: the bad updates were skipped
+                raise
+            if step % cfg.run.log_interval == 0 or step == cfg.train.max_steps:
+                result.losses[step] = run.log(step, loss, lr)
+            if cfg.run.diagnostics_interval and step % cfg.run.diagnostics_interval == 0:
+                run.diagnose(step)
+            stopping = stop.agreed()  # a stop signal on any rank (one small all-reduce)
+            if stopping or run.checkpoint_due(step):
+                run.save(step)
+            if stopping:
+                raise Preempted(step)
+    run.close()
+    return result
+
+
+@dataclass
+class Run:
+    """What a training run holds between steps, and its per-step side jobs."""
+
+    cfg: Config
+    layout: Layout
+    run_dir: Path
+    tokenizer: Tokenizer
+    vocab_size: int
+    trainee: Trainee
+    stream: PackedWindows
+    micro_batches: TimedIterator
+    meter: Meter
+    metrics: MetricsLogger | None
+    start: int
+    """The step the run resumed after (0 for a fresh run)."""
+    consumed: int
+    """Training tokens consumed so far (all ranks)."""
+
+    def log(self, step: int, loss: torch.Tensor, lr: float) -> float:
+        """Log this step's scalars (collective: the loss is averaged over data parallelism)
+        and return the loss."""
+        scalars = self.meter.scalars(
+            step, _mean_over_data_parallel(loss, self.trainee), lr, self.trainee,
+            self.micro_batches,
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.log(step, scalars)
+            log.info("step %d/%d | %s", step, self.cfg.train.max_steps, _format(scalars))
+        return scalars["loss"]
+
+    def diagnose(self, step: int) -> None:
+        """Belief diagnostics on this step's last micro-batch (training is not perturbed)."""
+        tokens, labels = self.micro_batches.last
+        stats = belief_diagnostics(self.trainee.engine, tokens, labels, self.trainee.pipelined)
+        if self.metrics is not None:
+            self.metrics.log(step, stats, prefix="belief", jsonl="diagnostics.jsonl")
+
+    def checkpoint_due(self, step: int) -> bool:
+        interval, cfg = self.cfg.checkpoint.interval, self.cfg
+        last = step == cfg.train.max_steps and cfg.checkpoint.save_at_end
+        return last or bool(interval and step % interval == 0)
+
+    def save(self, step: int) -> None:
+        checkpointing.save(
+            self.cfg, self.trainee.engine, self.stream, self.layout, step, self.consumed,
+            self.vocab_size, self.tokenizer.path,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def setup(cfg: Config) -> Run:
+    """Process groups, run directory, tokenizer, engine, data stream; resumes from a
+    checkpoint when there is one (checkpoint.resume)."""
     env = launcher_env.detect()
     device = select_device(cfg.run.device, env.local_rank)
     preflight(cfg, env.world_size, device)
@@ -77,42 +164,35 @@ def train(cfg: Config) -> TrainResult:
 
     tokenizer = build_tokenizer(cfg.data, cfg.run.cache_dir)
     vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg.model, layout.tensor)
-    trainee = build_engine(cfg, layout, vocab_size, device)
+    plan = checkpointing.plan_resume(cfg, layout)
+    if plan is not None and plan.info.vocab_size != vocab_size:
+        raise CheckpointError(
+            f"checkpoint {plan.path} has vocabulary {plan.info.vocab_size}, this run {vocab_size}"
+        )
+    trainee = build_engine(cfg, layout, vocab_size, device, plan is not None and plan.other_layout)
     stream = train_stream(cfg.data, tokenizer, cfg.model.seq_length, layout.data_rank, layout.data)
-    micro_batches = TimedIterator(batches(stream, cfg.train.micro_batch_size, device))
-    metrics = MetricsLogger(run_dir, cfg.run.tensorboard) if is_logger else None
+    start = 0 if plan is None else checkpointing.restore(plan, cfg, trainee.engine, stream, layout)
+    metrics = None
     if is_logger:
         copy_model(tokenizer, run_dir / "tokenizer.model")  # the run dir is self-contained
+        if plan is not None:
+            drop_metrics_after(run_dir, start)  # rows a crashed run logged past its checkpoint
+        metrics = MetricsLogger(run_dir, cfg.run.tensorboard)
         log.info(
             "model %s (%s attention): %s parameters, vocab %d | layout TP%d x PP%d x DP%d | "
-            "%d tokens per step",
+            "%d tokens per step%s",
             cfg.model.name, cfg.model.attention, f"{trainee.parameters:,}", vocab_size,
             layout.tensor, layout.pipeline, layout.data,
             cfg.train.global_batch_size * cfg.model.seq_length,
+            f" | resuming after step {start}" if start else "",
         )  # fmt: skip
-
-    result = TrainResult(run_dir=run_dir, steps=cfg.train.max_steps)
-    meter = Meter(cfg, vocab_size, device, dist.get_world_size())
-    for step in range(1, cfg.train.max_steps + 1):
-        lr = trainee.engine.get_lr()[0]  # the rate this step uses (the scheduler moves on after)
-        trainee.optimizer.skipped = None
-        loss = train_step(trainee, micro_batches)
-        check_finite(trainee, step, result, cfg.train.max_nonfinite_steps)
-        if step % cfg.run.log_interval == 0 or step == cfg.train.max_steps:
-            loss_value = _mean_over_data_parallel(loss, trainee)
-            scalars = meter.scalars(step, loss_value, lr, trainee, micro_batches)
-            result.losses[step] = scalars["loss"]
-            if metrics is not None:
-                metrics.log(step, scalars)
-                log.info("step %d/%d | %s", step, cfg.train.max_steps, _format(scalars))
-        if cfg.run.diagnostics_interval and step % cfg.run.diagnostics_interval == 0:
-            tokens, labels = micro_batches.last  # this step's data: training is not perturbed
-            stats = belief_diagnostics(trainee.engine, tokens, labels, trainee.pipelined)
-            if metrics is not None:
-                metrics.log(step, stats, prefix="belief", jsonl="diagnostics.jsonl")
-    if metrics is not None:
-        metrics.close()
-    return result
+    return Run(
+        cfg=cfg, layout=layout, run_dir=run_dir, tokenizer=tokenizer, vocab_size=vocab_size,
+        trainee=trainee, stream=stream,
+        micro_batches=TimedIterator(batches(stream, cfg.train.micro_batch_size, device)),
+        meter=Meter(cfg, vocab_size, device, dist.get_world_size()), metrics=metrics,
+        start=start, consumed=0 if plan is None else plan.info.consumed_tokens,
+    )  # fmt: skip
 
 
 def train_step(trainee: Trainee, micro_batches: Iterator) -> torch.Tensor:

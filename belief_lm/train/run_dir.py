@@ -18,3 +18,11 @@ def prepare_run_dir(cfg: Config, write: bool = True) -> Path:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         (run_dir / "environment.json").write_text(json.dumps(environment_record(), indent=2))
     return run_dir
+
+
+def drop_metrics_after(run_dir: Path, step: int) -> None:
+    """Keep only metrics.jsonl rows up to `step` (a resumed run logs the later ones again)."""
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        rows = [r for r in path.read_text().splitlines() if json.loads(r)["step"] <= step]
+        path.write_text("".join(f"{r}\n" for r in rows))

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic save, resume (also on another layout), consolidation."""
