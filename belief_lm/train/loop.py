@@ -19,7 +19,7 @@ from belief_lm.config import Config
 from belief_lm.model.gpt import BeliefLM, count_parameters, padded_vocab_size
 from belief_lm.parallel.setup import check_layout, init_distributed, init_model_parallel
 from belief_lm.runtime import select_device
-from belief_lm.train.data import batches, build_tokenizer, check_sources, train_stream
+from belief_lm.train.data import build_tokenizer, build_train_data, check_data
 from belief_lm.train.engine import build_engine, grad_accumulation_steps, use_bf16
 from belief_lm.train.metrics import MetricsLogger
 from belief_lm.train.run_dir import prepare_run_dir
@@ -44,7 +44,7 @@ def preflight(cfg: Config, world_size: int, device: torch.device) -> None:
     data_parallel = check_layout(world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
     grad_accumulation_steps(cfg, data_parallel)
     use_bf16(cfg.train.precision, device)
-    check_sources(cfg.data)
+    check_data(cfg.data)
     if cfg.parallel.pipeline > 1:
         raise ValueError("parallel.pipeline > 1 is not implemented yet")
     if cfg.parallel.tensor > 1:
@@ -65,8 +65,15 @@ def train(cfg: Config) -> TrainResult:
     model = BeliefLM(cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed).to(device)
     n_params = count_parameters(model)  # before ZeRO-3 partitions the weights away
     engine = build_engine(model, cfg, layout.data, device)
-    stream = train_stream(cfg.data, tokenizer, cfg.model.seq_length, layout.data_rank, layout.data)
-    micro_batches = batches(stream, cfg.train.micro_batch_size, device)
+    micro_batches = build_train_data(
+        cfg.data,
+        tokenizer,
+        cfg.model.seq_length,
+        cfg.train.micro_batch_size,
+        layout.data_rank,
+        layout.data,
+        device,
+    )
     metrics = MetricsLogger(run_dir, cfg.run.tensorboard) if is_logger else None
     if is_logger:
         copy_model(tokenizer, run_dir / "tokenizer.model")  # the run dir is self-contained
