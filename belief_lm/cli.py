@@ -2,6 +2,8 @@
 
     belief-lm train  --config configs/tiny.yaml [section.key=value ...]
     belief-lm config --config configs/tiny.yaml [section.key=value ...]   (print, validate)
+    belief-lm tokenizer train --config CONFIG --output MODEL [section.key=value ...]
+    belief-lm prepare --config CONFIG --output DIR [--workers N] [section.key=value ...]
 
 Exit codes: 0 done, 1 failed while running, 2 bad command line or config.
 """
@@ -24,15 +26,30 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "pretrain a model"),
         ("config", "print the effective config (validates it)"),
     ):
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("--config", "-c", help="run config YAML (see configs/)")
-        sub.add_argument(
-            "overrides",
-            nargs="*",
-            metavar="section.key=value",
-            help="dotted overrides, applied after the file",
-        )
+        _config_arguments(commands.add_parser(name, help=help_text, description=help_text))
+    tokenizer = commands.add_parser("tokenizer", help="tokenizer commands")
+    tokenizer_commands = tokenizer.add_subparsers(dest="action", required=True, metavar="ACTION")
+    help_text = "train a sentencepiece BPE tokenizer on a sample of data.sources"
+    sub = tokenizer_commands.add_parser("train", help=help_text, description=help_text)
+    sub.add_argument("--output", "-o", required=True, help="the .model file to write")
+    _config_arguments(sub)
+    help_text = "pre-tokenize a source into megatron-core's indexed format (.bin/.idx)"
+    sub = commands.add_parser("prepare", help=help_text, description=help_text)
+    sub.add_argument("--output", "-o", required=True, help="directory to write")
+    sub.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes")
+    sub.add_argument("--source", type=int, default=0, help="index into data.sources")
+    _config_arguments(sub)
     return parser
+
+
+def _config_arguments(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--config", "-c", help="run config YAML (see configs/)")
+    sub.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="dotted overrides, applied after the file",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +63,18 @@ def main(argv: list[str] | None = None) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     _quiet_libraries()
+    if args.command in ("tokenizer", "prepare"):
+        from data_pipeline import commands
+
+        try:
+            if args.command == "tokenizer":
+                commands.tokenizer_train(cfg, args.output)
+            else:
+                commands.prepare_source(cfg, args.output, args.workers, args.source)
+        except ValueError as err:  # bad data input, found before (or while) reading it
+            print(f"belief-lm: {err}", file=sys.stderr)
+            return 2
+        return 0
     from belief_lm.train.loop import train
 
     try:
