@@ -20,9 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
 from data_pipeline.documents import split_of
@@ -31,7 +28,11 @@ from data_pipeline.stream import DocumentStream, StreamSettings
 from data_pipeline.tokenizer import Tokenizer, encode_in_process, load_in_process
 
 if TYPE_CHECKING:
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
     from belief_lm.config import SourceConfig
+
+# megatron.core is imported where it is used: it takes seconds, and only this path needs it.
 
 SPLITS = ("train", "validation")
 META = "meta.json"
@@ -49,6 +50,8 @@ def prepare(
 ) -> dict:
     """Tokenize every document of `source` into `output` with `workers` processes; returns
     the metadata (also written to output/meta.json, last, so its presence means done)."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     (output / META).unlink(missing_ok=True)
@@ -148,6 +151,11 @@ class PreparedSource:
             )
 
     def open(self, settings: StreamSettings) -> None:
+        from megatron.core.datasets.blended_megatron_dataset_builder import (
+            BlendedMegatronDatasetBuilder,
+        )
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
         split = settings.split or "train"
         if split in self._datasets:
             return

@@ -1,22 +1,10 @@
 """`belief-lm tokenizer train` and `belief-lm prepare` as users run them (subprocesses)."""
 
 import json
-import os
-import subprocess
-import sys
+
+from test_cli import belief_lm  # the CLI as a subprocess, as tests/test_cli.py runs it
 
 from data_pipeline.tokenizer import Tokenizer
-
-
-def belief_lm(*args, timeout=300):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "belief_lm.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
 
 
 def test_tokenizer_train_then_prepare(tmp_path, fineweb):
