@@ -115,7 +115,7 @@ class RowParser:
             return "corrupt"
         if not text.strip():
             return "empty"
-        if not all(f(row) for f in self.filters):
+        if self.filters and not all(f(row) for f in self.filters):
             return "filtered"
         if self.id_column is None:
             return Document(text_id(text), text)

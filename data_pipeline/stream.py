@@ -232,13 +232,17 @@ class MixedWindows(torch.utils.data.IterableDataset):
         self._ensure_started()
         iterators = [iter(w) for w in self._windows]
         while self._active:
-            p = self.weights[self._active] / self.weights[self._active].sum()
-            k = self._active[self._rng.choice(len(self._active), p=p)]
+            k = self._active[0] if len(self._active) == 1 else self._draw()
             window = next(iterators[k], None)
             if window is None:
                 self._active.remove(k)
                 continue
             yield torch.from_numpy(window.astype(np.int64))
+
+    def _draw(self) -> int:
+        """A source index, with probability proportional to the active sources' weights."""
+        p = self.weights[self._active] / self.weights[self._active].sum()
+        return self._active[self._rng.choice(len(self._active), p=p)]
 
     def state_dict(self) -> dict:
         self._ensure_started()

@@ -23,6 +23,7 @@ from corpora import (
 from belief_lm.config import DataConfig
 from belief_lm.train.data import build_train_data, build_validation_data
 from data_pipeline.documents import split_of
+from data_pipeline.loader import SNAPSHOT_EVERY
 from data_pipeline.stream import MixedWindows, StreamSettings
 
 CPU = torch.device("cpu")
@@ -207,9 +208,9 @@ def test_stats_count_rows_documents_skips_and_tokens(tmp_path, embedded_tokenize
     write_openwebtext_jsonl(tmp_path / "x.jsonl", rows)
     data = DataConfig(sources=[str(tmp_path / "x.jsonl")], num_workers=2, validation_fraction=0)
     batches = build_train_data(data, embedded_tokenizer, 32, 2, 0, 1, CPU)
-    for _ in range(20):
+    for _ in range(2 * SNAPSHOT_EVERY + 1):
         next(batches)
-    stats = batches.stats()
+    stats = batches.stats()  # as of the snapshot after batch 2 x SNAPSHOT_EVERY
     assert stats["rows"] >= stats["documents"] > 0
-    assert stats["tokens"] >= 20 * 2 * 33
+    assert stats["tokens"] >= 2 * SNAPSHOT_EVERY * 2 * 33
     assert stats["skipped"] == stats["corrupt"] == 1  # in one worker's share of the rows
