@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 
 
 class WindowPacker:
@@ -35,7 +36,8 @@ class WindowPacker:
             yield tokens[start : start + self.window]
 
     def state_dict(self) -> dict:
-        return {"carry": self.carry.copy()}
+        # a tensor, not an array: checkpoints then load with torch.load's weights_only default
+        return {"carry": torch.from_numpy(self.carry.copy())}
 
     def load_state_dict(self, state: dict) -> None:
         self.carry = np.asarray(state["carry"], dtype=np.int32)

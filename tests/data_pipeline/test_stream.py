@@ -104,7 +104,7 @@ def test_resume_gives_exactly_the_batches_of_an_uninterrupted_run(
     torch.save(first.state_dict(), saved)  # as a checkpoint would
     del first
     resumed = build()
-    resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+    resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
     assert take(resumed, 60 - stop) == reference[stop:]
     assert len({str(b) for b in reference}) == 60  # no batch repeats: the test can fail
 

@@ -52,7 +52,7 @@ def main(out: str, phase: str, *overrides: str) -> None:
         torch.save(first.state_dict(), state_file)
     else:
         resumed = stream()
-        resumed.load_state_dict(torch.load(state_file, weights_only=False))
+        resumed.load_state_dict(torch.load(state_file, weights_only=True))
         save(resumed, 7, "resumed")
     dist.barrier()
     dist.destroy_process_group()
