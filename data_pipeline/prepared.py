@@ -179,6 +179,10 @@ class PreparedSource:
         built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
         self._datasets[split] = built[0]
 
+    def size(self) -> int:
+        """Its token count: a saved stream position is valid only for the same data."""
+        return sum(self.meta.get(f"{split}_tokens", 0) for split in SPLITS)
+
     def windows(
         self, tokenizer: Tokenizer | None, stream: int, num_streams: int, settings: StreamSettings
     ) -> PreparedWindows:

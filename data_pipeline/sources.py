@@ -179,6 +179,10 @@ class Source:
         """Resolve the files and shards once, in the main process, before workers fork."""
         self.dataset()
 
+    def size(self) -> int:
+        """Its shard count: a saved stream position is valid only for the same shards."""
+        return self.dataset().num_shards
+
     def windows(
         self, tokenizer: Tokenizer, stream: int, num_streams: int, settings: StreamSettings
     ) -> SourceWindows:

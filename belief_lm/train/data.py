@@ -105,6 +105,7 @@ def build_train_data(
         "seed": data.seed,
         "validation_fraction": data.validation_fraction,
         "sources": [s.uri for s in data.sources],
+        "source_sizes": [s.size() for s in dataset.sources],  # files added or removed
     }
     return TrainData(dataset, micro_batch_size, data.num_workers, device, layout)
 

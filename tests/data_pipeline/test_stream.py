@@ -7,6 +7,8 @@ import json
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from corpora import (
@@ -200,6 +202,9 @@ def test_a_state_loads_only_into_the_same_layout(fineweb, embedded_tokenizer):
     }.items():
         with pytest.raises(ValueError, match=f"data state was saved with {key}=.* this run has"):
             build().load_state_dict(state)
+    pq.write_table(pa.Table.from_pylist(fineweb_rows(3)), root / "sample" / "10BT" / "new.parquet")
+    with pytest.raises(ValueError, match=r"saved with source_sizes=\[9\], this run has .*\[10\]"):
+        build_train_data(data, embedded_tokenizer, 32, 2, 0, 2, CPU).load_state_dict(state)
 
 
 def test_stats_count_rows_documents_skips_and_tokens(tmp_path, embedded_tokenizer):
