@@ -2,10 +2,12 @@
 
     belief-lm train  --config configs/tiny.yaml [--resume auto|never|DIR] [section.key=value ...]
     belief-lm config --config configs/tiny.yaml [section.key=value ...]   (print, validate)
+    belief-lm tokenizer train --config CONFIG --output MODEL [section.key=value ...]
+    belief-lm prepare --config CONFIG --output DIR [--workers N] [section.key=value ...]
 
-Exit codes: 0 done; 1 failed while running; 2 bad command line, config or checkpoint
-(nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (requeue the
-job: it resumes from there).
+Exit codes: 0 done; 1 failed while running; 2 bad command line, config, data or
+checkpoint (nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint
+(requeue the job: it resumes from there).
 """
 
 from __future__ import annotations
@@ -22,24 +24,37 @@ from belief_lm.config import ConfigError, load_config
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="belief-lm", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, help_text in (
-        ("train", "pretrain a model"),
-        ("config", "print the effective config (validates it)"),
-    ):
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("--config", "-c", help="run config YAML (see configs/)")
-        sub.add_argument(
-            "overrides",
-            nargs="*",
-            metavar="section.key=value",
-            help="dotted overrides, applied after the file",
-        )
-        if name == "train":
-            sub.add_argument(
-                "--resume", metavar="auto|never|DIR",
-                help="checkpoint to continue from (sets checkpoint.resume; default auto)",
-            )  # fmt: skip
+    train = commands.add_parser("train", help="pretrain a model", description="pretrain a model")
+    train.add_argument(
+        "--resume", metavar="auto|never|DIR",
+        help="checkpoint to continue from (sets checkpoint.resume; default auto)",
+    )  # fmt: skip
+    _config_arguments(train)
+    help_text = "print the effective config (validates it)"
+    _config_arguments(commands.add_parser("config", help=help_text, description=help_text))
+    tokenizer = commands.add_parser("tokenizer", help="tokenizer commands")
+    tokenizer_commands = tokenizer.add_subparsers(dest="action", required=True, metavar="ACTION")
+    help_text = "train a sentencepiece BPE tokenizer on a sample of data.sources"
+    sub = tokenizer_commands.add_parser("train", help=help_text, description=help_text)
+    sub.add_argument("--output", "-o", required=True, help="the .model file to write")
+    _config_arguments(sub)
+    help_text = "pre-tokenize a source into megatron-core's indexed format (.bin/.idx)"
+    sub = commands.add_parser("prepare", help=help_text, description=help_text)
+    sub.add_argument("--output", "-o", required=True, help="directory to write")
+    sub.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes")
+    sub.add_argument("--source", type=int, default=0, help="index into data.sources")
+    _config_arguments(sub)
     return parser
+
+
+def _config_arguments(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--config", "-c", help="run config YAML (see configs/)")
+    sub.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="dotted overrides, applied after the file",
+    )
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -51,16 +66,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = [*args.overrides, *rest]
+    if getattr(args, "resume", None):
+        args.overrides.append(f"checkpoint.resume={args.resume}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    overrides = list(args.overrides)
-    if getattr(args, "resume", None):
-        overrides.append(f"checkpoint.resume={args.resume}")
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"belief-lm: {err}", file=sys.stderr)
         return 2
@@ -68,22 +82,41 @@ def main(argv: list[str] | None = None) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     _quiet_libraries()
-    from belief_lm.train.loop import train
+    try:
+        if args.command == "train":
+            return _train(cfg)
+        from data_pipeline import commands  # heavy imports after the argument checks
+
+        if args.command == "tokenizer":
+            commands.tokenizer_train(cfg, args.output)
+        else:
+            commands.prepare_source(cfg, args.output, args.workers, args.source)
+        return 0
+    except ValueError as err:  # bad config, data or checkpoint, found before the work
+        print(f"belief-lm: {err}", file=sys.stderr)
+        return 2
+
+
+def _train(cfg) -> int:
+    from belief_lm.train.loop import NonFiniteLossError, train
+    from belief_lm.train.signals import PREEMPTED_EXIT_CODE, Preempted
 
     try:
         result = train(cfg)
-    except ValueError as err:  # configuration problems found by the pre-flight checks
+    except Preempted as stop:
+        logging.getLogger("belief_lm").warning("%s; exiting with %d", stop, PREEMPTED_EXIT_CODE)
+        return PREEMPTED_EXIT_CODE
+    except NonFiniteLossError as err:
         print(f"belief-lm: {err}", file=sys.stderr)
-        return 2
+        return 1
     losses = list(result.losses.values())
     if losses:
         logging.getLogger("belief_lm").info(
             "done: %d steps, loss %.4f -> %.4f; run directory %s",
-            result.steps,
-            losses[0],
-            losses[-1],
-            result.run_dir,
-        )
+            result.steps, losses[0], losses[-1], result.run_dir,
+        )  # fmt: skip
+    else:
+        logging.getLogger("belief_lm").info("nothing to do: already at step %d", result.steps)
     return 0
 
 

@@ -121,9 +121,35 @@ class SourceConfig(Section):
     """One document source of the training mixture."""
 
     uri: str
-    """Where documents come from: 'embedded' (documentation shipped with Python)."""
+    """Where documents come from: 'embedded' (documentation shipped with Python);
+    'hf:OWNER/NAME[:CONFIG]' (a Hugging Face hub dataset, streamed); a local path or glob of
+    .parquet, .jsonl[.gz|.zst] or .txt[.gz|.zst] files; 'prepared:DIR' (`belief-lm prepare`)."""
     weight: float = Field(1.0, gt=0)
-    """Relative sampling weight in the mixture."""
+    """Relative share of training windows (tokens) drawn from this source."""
+    name: str | None = None
+    """Hub dataset config (e.g. sample-10BT); overrides the URI's :CONFIG part."""
+    hub_split: str = "train"
+    """Split of the hub dataset to stream."""
+    format: Literal["auto", "parquet", "jsonl", "text"] = "auto"
+    """Format of local files; auto: from the extension."""
+    text_column: str = "text"
+    """Column (or JSON key) holding the document text."""
+    id_column: str | None = None
+    """Column holding a stable document id; None: a hash of the text."""
+    filters: list[str] = Field(default_factory=list)
+    """Row filters 'COLUMN OP VALUE' (OP one of == != < <= > >=), all must hold,
+    e.g. 'int_score >= 3'."""
+    text_unit: Literal["document", "paragraph", "line"] = "document"
+    """For text files: what one document is (a whole file, a blank-line paragraph, a line)."""
+
+    @field_validator("filters")
+    @classmethod
+    def _filters_parse(cls, value: list[str]) -> list[str]:
+        from data_pipeline.documents import parse_filter
+
+        for text in value:
+            parse_filter(text)
+        return value
 
 
 class TokenizerConfig(Section):
@@ -133,6 +159,8 @@ class TokenizerConfig(Section):
     """A trained sentencepiece .model file; None: train one on the data sources (cached)."""
     vocab_size: PositiveInt = 4096
     """Vocabulary size when training a tokenizer."""
+    sample_documents: PositiveInt = 100_000
+    """Training documents read (split over the sources by weight) to train a tokenizer."""
 
 
 class DataConfig(Section):
@@ -145,7 +173,12 @@ class DataConfig(Section):
     validation_fraction: float = Field(0.02, ge=0, lt=1)
     """Share of documents (by a hash of their id) held out for validation."""
     seed: int = 1234
-    """Seed of the document order."""
+    """Seed of the document order and of the mixture."""
+    num_workers: int = Field(1, ge=0)
+    """DataLoader worker processes per rank that read and tokenize; 0: in the training process."""
+    max_skipped_fraction: float = Field(0.01, ge=0, le=1)
+    """Stop with an error when more than this share of a source's rows is unusable
+    (corrupt, not UTF-8, empty)."""
 
     @field_validator("sources", mode="before")
     @classmethod

@@ -8,9 +8,10 @@ the packer's whole state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
+import torch
 
 
 class WindowPacker:
@@ -20,22 +21,23 @@ class WindowPacker:
         if window < 2:
             raise ValueError(f"window must hold at least 2 tokens, got {window}")
         self.window = window
-        self._carry: list[int] = []
+        self.carry = np.empty(0, dtype=np.int32)
 
-    def add(self, ids: Iterable[int]) -> Iterator[np.ndarray]:
+    def add(self, ids: np.ndarray) -> Iterator[np.ndarray]:
         """Append `ids`; yield every window that is now complete.
 
         A window leaves the carry before it is yielded, so at every yield the carry holds
         exactly the tokens not yet emitted: a state_dict taken there loses nothing.
         """
-        self._carry.extend(ids)
-        while len(self._carry) >= self.window:
-            window = np.asarray(self._carry[: self.window], dtype=np.int64)
-            del self._carry[: self.window]
-            yield window
+        tokens = np.concatenate([self.carry, np.asarray(ids, dtype=np.int32)])
+        self.carry = tokens
+        for start in range(0, len(tokens) - self.window + 1, self.window):
+            self.carry = tokens[start + self.window :]
+            yield tokens[start : start + self.window]
 
     def state_dict(self) -> dict:
-        return {"carry": list(self._carry)}
+        # a tensor, not an array: checkpoints then load with torch.load's weights_only default
+        return {"carry": torch.from_numpy(self.carry.copy())}
 
     def load_state_dict(self, state: dict) -> None:
-        self._carry = list(state["carry"])
+        self.carry = np.asarray(state["carry"], dtype=np.int32)

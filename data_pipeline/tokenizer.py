@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
 
 MAX_PIECE_INPUT_BYTES = 4096
@@ -30,6 +31,17 @@ class Tokenizer:
             self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
         except (OSError, RuntimeError) as err:
             raise ValueError(f"cannot load sentencepiece model {self.path}: {err}") from None
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}  # DataLoader workers started by spawn reload the file
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+
+    @property
+    def sha256(self) -> str:
+        """Fingerprint of the model file (prepared data records which tokenizer made it)."""
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
 
     @property
     def vocab_size(self) -> int:
@@ -50,9 +62,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Encode many texts in sentencepiece's C++ thread pool."""
-        return self.sp.encode(list(texts))
+    def encode_batch(
+        self, texts: Sequence[str], add_eos: bool = False, num_threads: int = -1
+    ) -> list[list[int]]:
+        """Encode many texts in sentencepiece's C++ thread pool (-1: one thread per core;
+        DataLoader workers use 1, their parallelism is the workers)."""
+        return self.sp.encode(list(texts), add_eos=add_eos, num_threads=num_threads)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode(list(ids))
@@ -127,3 +142,19 @@ def copy_model(tokenizer: Tokenizer, destination: str | Path) -> Path:
     destination = Path(destination)
     shutil.copyfile(tokenizer.path, destination)
     return destination
+
+
+_process_tokenizer: Tokenizer | None = None
+
+
+def load_in_process(path: str) -> None:
+    """Pool initializer: load the tokenizer once per worker process."""
+    global _process_tokenizer
+    _process_tokenizer = Tokenizer(path)
+
+
+def encode_in_process(texts: list[str]) -> tuple[np.ndarray, list[int]]:
+    """In a pool worker: the texts' ids (EOS after each) concatenated, and each one's
+    length (one array pickles far faster than lists of ints)."""
+    ids = _process_tokenizer.encode_batch(texts, add_eos=True, num_threads=1)
+    return np.concatenate([np.asarray(x, dtype=np.int32) for x in ids]), [len(x) for x in ids]

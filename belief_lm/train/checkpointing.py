@@ -98,7 +98,7 @@ def _check_compatible(cfg: Config, path: Path) -> None:
             )
 
 
-def restore(plan: ResumePlan, cfg: Config, engine, stream, layout: Layout) -> int:
+def restore(plan: ResumePlan, cfg: Config, engine, data, layout: Layout) -> int:
     """Load `plan` into the engine and this rank's data stream; returns the saved step."""
     if plan.other_layout:
         source = plan.path.with_name(f"{plan.path.name}-universal")
@@ -115,7 +115,7 @@ def restore(plan: ResumePlan, cfg: Config, engine, stream, layout: Layout) -> in
     if loaded is None:
         raise CheckpointError(f"DeepSpeed found no loadable checkpoint in {source}")
     state = _rank_state(plan, layout)
-    stream.load_state_dict(state["data"])
+    data.load_state_dict(state["data"])
     if plan.other_layout:  # RNG streams belong to ranks of the old layout: derive new ones
         torch.manual_seed(cfg.run.seed * 1_000_003 + plan.info.step * 1009 + dist.get_rank())
     else:
@@ -142,7 +142,7 @@ def _rank_state(plan: ResumePlan, layout: Layout) -> dict:
     )
 
 
-def save(cfg: Config, engine, stream, layout: Layout, step: int, consumed_tokens: int,
+def save(cfg: Config, engine, data, layout: Layout, step: int, consumed_tokens: int,
          vocab_size: int, tokenizer_path: Path) -> Path:  # fmt: skip
     """Save a checkpoint at `step` (collective)."""
     info = CheckpointInfo(
@@ -152,7 +152,7 @@ def save(cfg: Config, engine, stream, layout: Layout, step: int, consumed_tokens
     )  # fmt: skip
     rank_state = {
         "dp_rank": layout.data_rank,
-        "data": stream.state_dict(),
+        "data": data.state_dict(),
         "rng": store.rng_state(),
     }
     extra = {"config.yaml": cfg.to_yaml().encode(), "tokenizer.model": tokenizer_path.read_bytes()}

@@ -24,7 +24,7 @@ from belief_lm.model.gpt import padded_vocab_size
 from belief_lm.parallel.setup import Layout, check_layout, init_distributed, init_model_parallel
 from belief_lm.runtime import select_device
 from belief_lm.train import checkpointing
-from belief_lm.train.data import batches, build_tokenizer, check_sources, train_stream
+from belief_lm.train.data import build_tokenizer, build_train_data, check_data
 from belief_lm.train.diagnostics import belief_diagnostics
 from belief_lm.train.engine import (
     Trainee,
@@ -37,7 +37,7 @@ from belief_lm.train.flops import flops_per_token, peak_tflops
 from belief_lm.train.metrics import MetricsLogger
 from belief_lm.train.run_dir import drop_metrics_after, prepare_run_dir
 from belief_lm.train.signals import Preempted, StopRequests
-from data_pipeline.stream import PackedWindows
+from data_pipeline.loader import TrainData
 from data_pipeline.tokenizer import Tokenizer, copy_model
 from launcher import env as launcher_env
 
@@ -64,7 +64,7 @@ def preflight(cfg: Config, world_size: int, device: torch.device) -> None:
     """Every check that needs no work, so a bad config fails before anything starts:
     the config alone first, then against this job's world size and device."""
     check_engine_settings(cfg)
-    check_sources(cfg.data)
+    check_data(cfg.data)
     data_parallel = check_layout(world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
     grad_accumulation_steps(cfg, data_parallel)
     use_bf16(cfg.train.precision, device)
@@ -107,7 +107,8 @@ class Run:
     tokenizer: Tokenizer
     vocab_size: int
     trainee: Trainee
-    stream: PackedWindows
+    data: TrainData
+    """This rank's resumable micro-batch stream."""
     micro_batches: TimedIterator
     meter: Meter
     metrics: MetricsLogger | None
@@ -142,7 +143,7 @@ class Run:
 
     def save(self, step: int) -> None:
         checkpointing.save(
-            self.cfg, self.trainee.engine, self.stream, self.layout, step, self.consumed,
+            self.cfg, self.trainee.engine, self.data, self.layout, step, self.consumed,
             self.vocab_size, self.tokenizer.path,
         )  # fmt: skip
 
@@ -170,8 +171,11 @@ def setup(cfg: Config) -> Run:
             f"checkpoint {plan.path} has vocabulary {plan.info.vocab_size}, this run {vocab_size}"
         )
     trainee = build_engine(cfg, layout, vocab_size, device, plan is not None and plan.other_layout)
-    stream = train_stream(cfg.data, tokenizer, cfg.model.seq_length, layout.data_rank, layout.data)
-    start = 0 if plan is None else checkpointing.restore(plan, cfg, trainee.engine, stream, layout)
+    data = build_train_data(
+        cfg.data, tokenizer, cfg.model.seq_length, cfg.train.micro_batch_size,
+        layout.data_rank, layout.data, device,
+    )  # fmt: skip
+    start = 0 if plan is None else checkpointing.restore(plan, cfg, trainee.engine, data, layout)
     metrics = None
     if is_logger:
         copy_model(tokenizer, run_dir / "tokenizer.model")  # the run dir is self-contained
@@ -188,8 +192,7 @@ def setup(cfg: Config) -> Run:
         )  # fmt: skip
     return Run(
         cfg=cfg, layout=layout, run_dir=run_dir, tokenizer=tokenizer, vocab_size=vocab_size,
-        trainee=trainee, stream=stream,
-        micro_batches=TimedIterator(batches(stream, cfg.train.micro_batch_size, device)),
+        trainee=trainee, data=data, micro_batches=TimedIterator(data),
         meter=Meter(cfg, vocab_size, device, dist.get_world_size()), metrics=metrics,
         start=start, consumed=0 if plan is None else plan.info.consumed_tokens,
     )  # fmt: skip

@@ -16,7 +16,7 @@ def test_every_token_in_exactly_one_window():
     assert all(len(w) == 17 for w in windows)
     flat = np.concatenate(windows).tolist()
     assert flat == stream[: len(flat)]
-    assert packer.state_dict()["carry"] == stream[len(flat) :]
+    assert packer.state_dict()["carry"].tolist() == stream[len(flat) :]
     assert len(stream) - len(flat) < 17
 
 

@@ -1,5 +1,9 @@
+import pickle
+
 import pytest
 
+from belief_lm.config import DataConfig
+from belief_lm.train.data import build_tokenizer
 from data_pipeline import tokenizer as tk
 from data_pipeline.embedded import embedded_documents
 
@@ -21,8 +25,16 @@ def test_cache_trains_once(cache_dir, embedded_tokenizer, monkeypatch):
         raise AssertionError("retrained although cached")
 
     monkeypatch.setattr(tk, "train_tokenizer", fail)
-    again = tk.cached_tokenizer(["embedded"], (), 4096, cache_dir)
+    assert build_tokenizer(DataConfig(), cache_dir).path == embedded_tokenizer.path
+    with pytest.raises(AssertionError, match="retrained"):  # another sample, another model
+        build_tokenizer(DataConfig(validation_fraction=0.5), cache_dir)
+
+
+def test_tokenizer_survives_pickling(embedded_tokenizer):
+    """DataLoader workers started by spawn receive the tokenizer pickled."""
+    again = pickle.loads(pickle.dumps(embedded_tokenizer))
     assert again.path == embedded_tokenizer.path
+    assert again.encode("pickled text") == embedded_tokenizer.encode("pickled text")
 
 
 def test_training_pieces_fit_sentencepiece():

@@ -1,0 +1,183 @@
+"""Sources: the hub code path on local files, the local formats, filters, bad input."""
+
+import gzip
+import logging
+
+import datasets
+import huggingface_hub.constants
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from corpora import (
+    fineweb_rows,
+    jsonl_lines,
+    read_documents,
+    source,
+    texts,
+    write_openwebtext_jsonl,
+)
+
+from belief_lm.config import ConfigError, DataConfig, load_config
+from belief_lm.train.data import check_data
+from data_pipeline.documents import text_id
+
+
+def test_hub_path_and_local_glob_read_the_same_fineweb_rows(fineweb):
+    root, rows = fineweb
+    hub = source(f"hf:{root}:sample-10BT", id_column="id")  # load_dataset(repo, name): README
+    local = source(f"{root}/sample/10BT/*.parquet", id_column="id")
+    assert hub.dataset().num_shards == local.dataset().num_shards == 9  # 3 files x 3 row groups
+    hub_docs, counts = read_documents(hub)
+    assert hub_docs == read_documents(local)[0]
+    assert sorted((d.id, d.text) for d in hub_docs) == sorted((r["id"], r["text"]) for r in rows)
+    assert counts["rows"] == counts["documents"] == len(rows)
+
+
+def test_openwebtext_schema_in_every_local_format(tmp_path):
+    docs = texts(30)
+    pq.write_table(pa.table({"text": docs}), tmp_path / "owt.parquet")
+    write_openwebtext_jsonl(tmp_path / "owt.jsonl", jsonl_lines(docs))
+    write_openwebtext_jsonl(tmp_path / "owt.jsonl.gz", jsonl_lines(docs))
+    (tmp_path / "owt.jsonl.zst").write_bytes(
+        zstandard.ZstdCompressor().compress(b"".join(x + b"\n" for x in jsonl_lines(docs)))
+    )
+    (tmp_path / "txt").mkdir()
+    for i, doc in enumerate(docs):
+        (tmp_path / "txt" / f"{i:03d}.txt.gz").write_bytes(gzip.compress(doc.encode()))
+    expected = sorted((text_id(t), t) for t in docs)  # no id column: ids hash the text
+    for uri in ["owt.parquet", "owt.jsonl", "owt.jsonl.gz", "owt.jsonl.zst", "txt/*.txt.gz"]:
+        got, counts = read_documents(source(str(tmp_path / uri)))
+        assert sorted((d.id, d.text) for d in got) == expected, uri
+        assert counts["documents"] == 30, uri
+
+
+def test_text_units_paragraph_and_line(tmp_path):
+    (tmp_path / "a.txt").write_text("one\ntwo\n\n\nthree\n\nfour")
+    paragraphs, _ = read_documents(source(str(tmp_path / "a.txt"), text_unit="paragraph"))
+    lines, _ = read_documents(source(str(tmp_path / "a.txt"), text_unit="line"))
+    assert [d.text for d in paragraphs] == ["one\ntwo", "three", "four"]
+    assert [d.text for d in lines] == ["one", "two", "three", "four"]
+
+
+def test_filters_keep_matching_rows(fineweb):
+    root, rows = fineweb
+    src = source(f"hf:{root}:sample-10BT", id_column="id", filters=["int_score >= 3"])
+    docs, counts = read_documents(src)
+    keep = {r["id"] for r in rows if r["int_score"] >= 3}
+    assert 0 < len(keep) < len(rows)
+    assert {d.id for d in docs} == keep
+    assert counts["filtered"] == len(rows) - len(keep)
+
+
+def test_bad_rows_are_skipped_counted_and_logged(tmp_path, caplog):
+    good = jsonl_lines(texts(6))
+    bad = [b'{"text": "unterminated', b'{"text": "caf\xe9"}', b'{"text": "  "}', b'{"txt": 1}']
+    lines = good[:2] + bad[:2] + good[2:4] + bad[2:] + [b"[1, 2]"] + good[4:]
+    path = tmp_path / "owt.jsonl"
+    write_openwebtext_jsonl(path, lines)
+    with caplog.at_level(logging.WARNING, logger="data_pipeline.stream"):
+        docs, counts = read_documents(source(str(path)))
+    assert [d.text for d in docs] == texts(6)
+    assert (counts["corrupt"], counts["not_utf8"], counts["empty"]) == (3, 1, 1)
+    logged = caplog.text
+    for line, reason in [(3, "corrupt"), (4, "not_utf8"), (7, "empty"), (8, "corrupt")]:
+        assert f"skipped a row ({reason}) at {path}:{line}" in logged
+
+
+def test_bad_parquet_cells_are_skipped(tmp_path):
+    cells = [b"fine text", b"\xff\xfe broken", b"", None, b"more text"]
+    pq.write_table(pa.table({"text": pa.array(cells, pa.binary())}), tmp_path / "b.parquet")
+    docs, counts = read_documents(source(str(tmp_path / "b.parquet")))
+    assert [d.text for d in docs] == ["fine text", "more text"]
+    assert (counts["not_utf8"], counts["empty"], counts["corrupt"]) == (1, 1, 1)
+
+
+def test_too_many_unusable_rows_is_an_error(tmp_path):
+    lines = [b'{"text": ""}' if i % 10 == 0 else jsonl_lines([f"doc {i}"])[0] for i in range(300)]
+    write_openwebtext_jsonl(tmp_path / "x.jsonl", lines)
+    src = source(str(tmp_path / "x.jsonl"))
+    docs, counts = read_documents(src, max_skipped_fraction=0.2)
+    assert (len(docs), counts["empty"]) == (270, 30)
+    with pytest.raises(
+        ValueError,
+        match=r"x\.jsonl: 11 of 101 rows unusable \(empty 11\) .* "
+        r"more than data\.max_skipped_fraction=0\.1",
+    ):
+        read_documents(src, max_skipped_fraction=0.1)
+
+
+def check(tmp_path, uri, **fields):
+    with pytest.raises(ValueError) as err:
+        check_data(DataConfig(sources=[{"uri": str(tmp_path / uri), **fields}]))
+    return str(err.value)
+
+
+def test_preflight_names_the_key_file_and_column(tmp_path):
+    rows = fineweb_rows(4)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(rows).drop_columns(["id"]), tmp_path / "b.parquet")
+    message = check(tmp_path, "*.parquet", id_column="id")
+    assert message.startswith(f"data.sources.0.id_column: {tmp_path / 'b.parquet'}: no column 'id'")
+    message = check(tmp_path, "a.parquet", text_column="content")
+    assert (
+        "data.sources.0.text_column: " in message
+        and "no column 'content' (columns: text, id" in message
+    )
+    message = check(tmp_path, "a.parquet", filters=["int_scor >= 3"])
+    assert message.startswith(
+        f"data.sources.0.filters: {tmp_path / 'a.parquet'}: no column 'int_scor'"
+    )
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    message = check(tmp_path, "ints.parquet")
+    assert message == (
+        f"data.sources.0.text_column: {tmp_path / 'ints.parquet'}: column 'text' has type int64, "
+        "not a string"
+    )
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    assert check(tmp_path, "junk.parquet").startswith(
+        f"data.sources.0.uri: cannot read {tmp_path / 'junk.parquet'}: "
+    )
+    (tmp_path / "junk.jsonl.gz").write_bytes(b"not gzip")
+    assert check(tmp_path, "junk.jsonl.gz").startswith("data.sources.0.uri: cannot read ")
+    write_openwebtext_jsonl(tmp_path / "c.jsonl", [b'{"content": "x"}'])
+    assert check(tmp_path, "c.jsonl") == (
+        f"data.sources.0.text_column: {tmp_path / 'c.jsonl'}: no column 'text' (columns: content)"
+    )
+    assert check(tmp_path, "none/*.parquet") == (
+        f"data.sources.0.uri: no files match '{tmp_path / 'none/*.parquet'}'"
+    )
+    assert "data.sources.0.uri: unknown data source" in check(tmp_path, "file.csv")
+    with pytest.raises(ValueError, match=r"data\.sources\.0\.uri: .* is not a finished `belief-lm"):
+        check_data(DataConfig(sources=[f"prepared:{tmp_path}"]))
+
+
+def test_preflight_of_an_unreachable_hub_dataset(monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(
+        ValueError,
+        match=r"data\.sources\.0\.uri: cannot open hub dataset "
+        r"'HuggingFaceFW/fineweb-edu': Couldn't reach",
+    ):
+        check_data(DataConfig(sources=["hf:HuggingFaceFW/fineweb-edu:sample-10BT"]))
+
+
+def test_shipped_hub_configs_name_the_real_datasets():
+    fineweb = load_config("configs/data/fineweb-edu.yaml").data.sources[0]
+    assert (fineweb.uri, fineweb.id_column, fineweb.filters) == (
+        "hf:HuggingFaceFW/fineweb-edu:sample-10BT",
+        "id",
+        ["int_score >= 3"],
+    )
+    assert load_config("configs/data/openwebtext.yaml").data.sources[0].uri == (
+        "hf:Skylion007/openwebtext"
+    )
+
+
+@pytest.mark.parametrize("bad", ["int_score => 3", "int_score", ">= 3", "x < "])
+def test_filter_syntax_is_checked_with_the_config(bad):
+    with pytest.raises(
+        ConfigError, match=r"data\.sources\.0\.filters: filter .* is not 'COLUMN OP"
+    ):
+        load_config(None, [f"data.sources=[{{uri: x.parquet, filters: ['{bad}']}}]"])
