@@ -59,3 +59,16 @@ def full_state_dict(module: torch.nn.Module, rename=None) -> dict[str, Tensor]:
         if key is not None:
             state[key] = full
     return state
+
+
+def shard_tensor_parallel(full: Tensor, like: torch.nn.Parameter) -> Tensor:
+    """This rank's piece of `full` as megatron shards `like` (inverse of
+    gather_tensor_parallel; no communication)."""
+    group = ps.get_tensor_model_parallel_group()
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1 or not getattr(like, "tensor_model_parallel", False):
+        return full
+    dim, stride = like.partition_dim, getattr(like, "partition_stride", 1)
+    rank = ps.get_tensor_model_parallel_rank()
+    pieces = full.chunk(world * stride, dim=dim)
+    return torch.cat([pieces[j * world + rank] for j in range(stride)], dim=dim)
