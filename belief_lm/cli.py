@@ -4,6 +4,7 @@
     belief-lm config --config configs/tiny.yaml [section.key=value ...]   (print, validate)
     belief-lm tokenizer train --config CONFIG --output MODEL [section.key=value ...]
     belief-lm prepare --config CONFIG --output DIR [--workers N] [section.key=value ...]
+    belief-lm evaluate --checkpoint DIR [--data SOURCE] [--tensor N] [--batches N] [--output F]
 
 Exit codes: 0 done; 1 failed while running; 2 bad command line, config, data or
 checkpoint (nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint
@@ -13,10 +14,12 @@ checkpoint (nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a check
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from belief_lm.config import ConfigError, load_config
 
@@ -44,6 +47,16 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes")
     sub.add_argument("--source", type=int, default=0, help="index into data.sources")
     _config_arguments(sub)
+    help_text = "validation loss and perplexity of a checkpoint (JSON), on any layout"
+    sub = commands.add_parser("evaluate", help=help_text, description=help_text)
+    sub.add_argument("--checkpoint", required=True, help="a checkpoint directory (step_N)")
+    sub.add_argument("--data", help="an evaluation source (all its documents; default: the "
+                     "held-out split of the checkpoint's own sources)")  # fmt: skip
+    sub.add_argument("--tensor", type=int, default=1, help="tensor-parallel size")
+    sub.add_argument("--batches", type=int, default=50, help="micro-batches per data-parallel rank")
+    sub.add_argument("--micro-batch-size", type=int, help="default: the checkpoint's")
+    sub.add_argument("--output", "-o", help="also write the JSON here")
+    sub.set_defaults(config=None, overrides=[])
     return parser
 
 
@@ -73,6 +86,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.command == "evaluate":
+        return _evaluate(args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -117,6 +132,25 @@ def _train(cfg) -> int:
         )  # fmt: skip
     else:
         logging.getLogger("belief_lm").info("nothing to do: already at step %d", result.steps)
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    from belief_lm.evaluate import evaluate
+
+    try:
+        result = evaluate(
+            args.checkpoint, args.data, args.tensor, args.batches, args.micro_batch_size
+        )
+    except ValueError as err:  # a missing or unusable checkpoint or data source
+        print(f"belief-lm: {err}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.output:
+            Path(args.output).write_text(text + "\n")
     return 0
 
 

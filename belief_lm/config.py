@@ -170,8 +170,9 @@ class DataConfig(Section):
     """Document sources (a bare string is a source URI with weight 1)."""
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     """Tokenizer settings."""
-    validation_fraction: float = Field(0.02, ge=0, lt=1)
-    """Share of documents (by a hash of their id) held out for validation."""
+    validation_fraction: float = Field(0.02, ge=0, le=1)
+    """Share of documents (by a hash of their id) held out for validation; 1 holds out
+    everything (an evaluation-only source)."""
     seed: int = 1234
     """Seed of the document order and of the mixture."""
     num_workers: int = Field(1, ge=0)

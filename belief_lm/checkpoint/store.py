@@ -147,6 +147,7 @@ def save(
         _write_atomic(root / "latest", final.name)
         for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old.with_name(f"{old.name}-universal"), ignore_errors=True)
     dist.barrier()
     return final
 
