@@ -59,3 +59,14 @@ def test_config_command_prints_the_effective_config():
     out = belief_lm("config", "--config", "configs/tiny.yaml", "model.attention=belief")
     assert out.returncode == 0
     assert "attention: belief\n" in out.stdout and "num_layers: 4\n" in out.stdout
+
+
+@pytest.mark.parametrize("checkpoint", ["missing", "incomplete"])
+def test_evaluate_refuses_a_bad_checkpoint(tmp_path, checkpoint):
+    path = tmp_path / "step_000010"
+    if checkpoint == "incomplete":
+        path.mkdir()
+    out = belief_lm("evaluate", "--checkpoint", str(path))
+    assert out.returncode == 2
+    expected = "does not exist" if checkpoint == "missing" else "incomplete (no run.json)"
+    assert expected in out.stderr and "Traceback" not in out.stderr

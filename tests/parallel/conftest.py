@@ -28,12 +28,14 @@ def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None
     )
 
 
-def run_driver(out_dir: Path, tp: int, pp: int, dp: int, zero: int, variants: list[str]) -> Path:
+def run_driver(
+    out_dir: Path, tp: int, pp: int, dp: int, zero: int, variants: list[str], *options: str
+) -> Path:
     """Run tests/parallel/driver.py at a layout; returns its output directory."""
     out_dir.mkdir(parents=True, exist_ok=True)
     result = torchrun(
         tp * pp * dp, "tests/parallel/driver.py", str(out_dir), str(tp), str(pp), str(zero),
-        ",".join(variants),
+        ",".join(variants), *options,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return out_dir
@@ -78,11 +80,12 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float(diff / scale) if scale > 0 else float(diff)
 
 
-def assert_equivalent(run: dict, reference: dict) -> None:
+def assert_equivalent(run: dict, reference: dict, first_step_exact: bool = True) -> None:
     """Same losses, gradients (every parameter, every step) and final weights.
 
     Bounds are per parameter, on the norm of the difference relative to the reference.
     Step 0's gradients come from identical weights, so only fp32 rounding separates them
+    (unless `first_step_exact` is False: a run resumed after a few Adam steps)
     (measured ~5e-7): bound 1e-5. Each AdamW update then turns rounding noise in
     near-zero gradient elements into weight differences of up to 2 x lr (its first step
     is ~lr x sign(g)), measured at 1e-5..8e-5 after a few steps: bound 3e-4. A real
@@ -91,12 +94,13 @@ def assert_equivalent(run: dict, reference: dict) -> None:
     """
     assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5)
     # the clipping norm: TP-replicated weights and a pipeline's tied copy counted once
-    assert run["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=1e-5)
+    if first_step_exact:
+        assert run["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=1e-5)
     assert run["grad_norms"] == pytest.approx(reference["grad_norms"], rel=3e-4)
     assert len(run["grads"]) == len(reference["grads"])
     for step, (grads, ref_grads) in enumerate(zip(run["grads"], reference["grads"], strict=True)):
         assert grads.keys() == ref_grads.keys(), f"step {step}: parameter names differ"
-        bound = 1e-5 if step == 0 else 3e-4
+        bound = 1e-5 if step == 0 and first_step_exact else 3e-4
         for name, ref in ref_grads.items():
             error = relative_error(grads[name], ref)
             assert error < bound, f"step {step} gradient of {name}: relative error {error:.2e}"

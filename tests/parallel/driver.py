@@ -1,6 +1,8 @@
 """torchrun driver for the distributed equivalence tests (not a test file itself).
 
     torchrun --nproc_per_node=N tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT[,VARIANT...]
+    torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --save-at K
+    torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --resume CHECKPOINT
 
 Builds the engine exactly as training does (belief_lm.train.engine.build_engine) and runs
 a few steps with train_step, on data that depends only on (step, global sequence index),
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
 
@@ -23,11 +26,13 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 
+from belief_lm.checkpoint import store  # noqa: E402
 from belief_lm.config import load_config  # noqa: E402
 from belief_lm.parallel.gather import full_state_dict, gather_tensor_parallel  # noqa: E402
 from belief_lm.parallel.pipeline import canonical_name  # noqa: E402
 from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
+from belief_lm.train import checkpointing  # noqa: E402
 from belief_lm.train.engine import build_engine  # noqa: E402
 from belief_lm.train.loop import _mean_over_data_parallel, train_step  # noqa: E402
 from launcher.env import detect  # noqa: E402
@@ -49,29 +54,56 @@ def config(tp: int, pp: int, zero: int, variant: str):
     )  # fmt: skip
 
 
-def micro_batches(steps: int, accumulation: int):
+class GlobalBatches:
     """This data-parallel rank's micro-batches: sequence j of step k is row k*G + j of a
-    fixed random table, and DP rank r takes rows r*GA*M .. (r+1)*GA*M - 1 of each step."""
-    table = torch.randint(
-        0, VOCAB, (steps * GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0)
-    )
-    rank = ps.get_data_parallel_rank()
-    for step in range(steps):
-        for m in range(accumulation):
-            start = step * GLOBAL_BATCH + (rank * accumulation + m) * MICRO
-            rows = table[start : start + MICRO]
-            yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    fixed random table, and DP rank r takes rows r*GA*M .. (r+1)*GA*M - 1 of each step.
+    Its state (the next step) does not depend on the layout, so it resumes on any."""
+
+    def __init__(self, accumulation: int, steps: int = 64):
+        gen = torch.Generator().manual_seed(0)
+        self.table = torch.randint(0, VOCAB, (steps * GLOBAL_BATCH, SEQ + 1), generator=gen)
+        self.accumulation, self.step, self.micro = accumulation, 0, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        rank = ps.get_data_parallel_rank()
+        start = self.step * GLOBAL_BATCH + (rank * self.accumulation + self.micro) * MICRO
+        rows = self.table[start : start + MICRO]
+        self.micro += 1
+        if self.micro == self.accumulation:
+            self.step, self.micro = self.step + 1, 0
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "micro": self.micro}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.micro = state["step"], state["micro"]
 
 
 def probe_tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def run(out_dir: str, tp: int, pp: int, zero: int, variant: str) -> None:
+def run(
+    out_dir: str, tp: int, pp: int, zero: int, variant: str, save_at=None, resume=None, steps=STEPS
+) -> None:
     cfg = config(tp, pp, zero, variant)
+    cfg.run.output_dir = out_dir
     layout = init_model_parallel(tp, pp)
-    trainee = build_engine(cfg, layout, VOCAB, torch.device("cpu"))
+    plan = None
+    if resume is not None:
+        info = store.read_info(Path(resume))
+        saved = (info.tensor, info.pipeline, info.data, info.zero_stage)
+        plan = checkpointing.ResumePlan(Path(resume), info, saved != (tp, pp, layout.data, zero))
+    trainee = build_engine(
+        cfg, layout, VOCAB, torch.device("cpu"), plan is not None and plan.other_layout
+    )
     engine = trainee.engine
+    data = GlobalBatches(engine.gradient_accumulation_steps())
+    first = 0 if plan is None else checkpointing.restore(plan, cfg, engine, data, layout)
     rename = (lambda n: canonical_name(n, cfg.model.num_layers)) if trainee.pipelined else None
 
     grads_per_step = []
@@ -88,11 +120,14 @@ def run(out_dir: str, tp: int, pp: int, zero: int, variant: str) -> None:
         return take_step(*args, **kwargs)
 
     engine._take_model_step = capture_then_step
-    data = micro_batches(STEPS, engine.gradient_accumulation_steps())
     losses, norms = [], []
-    for _ in range(STEPS):
+    for _ in range(first, save_at or steps):
         losses.append(_mean_over_data_parallel(train_step(trainee, data), trainee))
         norms.append(float(engine.get_global_grad_norm()))
+    if save_at:
+        tokenizer = Path(out_dir) / "tokenizer.model"  # the checkpoint copies it; any bytes do
+        tokenizer.write_bytes(b"synthetic data: no tokenizer")
+        checkpointing.save(cfg, engine, data, layout, save_at, 0, VOCAB, tokenizer)
     params = full_state_dict(engine.module, rename)
     logits = None
     if not trainee.pipelined:  # logits over the whole vocabulary, for the TP -> TP=1 check
@@ -116,10 +151,13 @@ def run(out_dir: str, tp: int, pp: int, zero: int, variant: str) -> None:
 
 def main() -> None:
     out_dir, tp, pp, zero, variants = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
+    options = dict(zip(sys.argv[6::2], sys.argv[7::2], strict=True))
     device = select_device("cpu")
-    init_distributed(detect(), device, timeout_s=120)
+    init_distributed(detect(), device, timeout_s=300)
+    save_at = int(options["--save-at"]) if "--save-at" in options else None
     for variant in variants.split(","):
-        run(out_dir, tp, pp, zero, variant)
+        steps = int(options.get("--steps", STEPS))
+        run(out_dir, tp, pp, zero, variant, save_at, options.get("--resume"), steps)
     dist.barrier()
 
 
