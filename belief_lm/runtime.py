@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from launcher.env import device_for
+
 
 def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     """The compute device for this process.
@@ -19,12 +21,10 @@ def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     On CPU this also points DeepSpeed at its CPU accelerator, which must happen before
     deepspeed is first imported (it picks the accelerator at import time).
     """
-    use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        if not torch.cuda.is_available():
-            raise RuntimeError("run.device=cuda but torch sees no CUDA device")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+    device = device_for(local_rank, choice)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        return device
     if "deepspeed" in sys.modules and os.environ.get("DS_ACCELERATOR") != "cpu":
         raise RuntimeError("deepspeed was imported before select_device chose the CPU")
     os.environ["DS_ACCELERATOR"] = "cpu"
