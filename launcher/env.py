@@ -4,7 +4,7 @@ torch.distributed backend that follow from it.
 
 Launchers, in order of precedence (torchrun inside a SLURM allocation is torchrun):
 - torchrun: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (GROUP_RANK: node).
-- SLURM (srun, one task per GPU): SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID and the
+- SLURM (srun tasks, one per GPU): SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID and the
   step's task count; the master is the first host of the step's node list (rank 0 runs
   there under srun's block distribution) and the port is derived from the job id, so every
   task agrees without talking. MASTER_ADDR / MASTER_PORT, when set, take precedence.
@@ -62,7 +62,9 @@ def detect(environ: Mapping[str, str] | None = None) -> ProcessEnv:
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         found = _torchrun(env)
-    elif "SLURM_PROCID" in env:
+    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        # an srun task; the batch script itself has SLURM_PROCID=0 and the job's task
+        # count but no step: a process started there directly is on its own
         found = _slurm(env)
     elif "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
         found = _mpi(env)

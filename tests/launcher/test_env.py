@@ -16,6 +16,7 @@ TORCHRUN = {
 SLURM = {
     "SLURM_JOB_ID": "4242",
     "SLURM_PROCID": "5",
+    "SLURM_STEP_ID": "0",
     "SLURM_LOCALID": "1",
     "SLURM_NODEID": "1",
     "SLURM_NTASKS": "12",
@@ -48,9 +49,16 @@ def test_slurm_task_uses_its_step():
     assert (env.master_addr, env.master_port, env.launcher) == ("gpu02", 24242, "slurm")
 
 
-def test_slurm_without_step_variables_uses_the_job():
-    env = detect({k: v for k, v in SLURM.items() if not k.startswith("SLURM_STEP")})
+def test_slurm_without_step_task_count_and_node_list_uses_the_job():
+    env = detect(
+        {k: v for k, v in SLURM.items() if k not in ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST")}
+    )
     assert (env.world_size, env.master_addr) == (12, "gpu01")
+
+
+def test_slurm_batch_script_is_a_single_process():
+    batch = {k: v for k, v in SLURM.items() if not k.startswith("SLURM_STEP")}
+    assert detect(batch).launcher == "single"
 
 
 def test_torchrun_inside_slurm_wins():
