@@ -18,6 +18,7 @@ import sys
 import warnings
 
 from belief_lm.config import ConfigError, load_config
+from launcher.env import LaunchEnvError, detect
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,7 +122,10 @@ def _launch(args: argparse.Namespace, cfg) -> int:
 
 def _quiet_libraries() -> None:
     """Our log lines on the first rank; library chatter and warnings only when asked for."""
-    rank = int(os.environ.get("RANK", "0"))
+    try:
+        rank = detect().rank  # RANK is not set yet under SLURM or MPI
+    except LaunchEnvError:
+        rank = 0  # train() reports the problem
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not os.environ.get("BELIEF_LM_VERBOSE"):
