@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -82,3 +83,19 @@ def logged_steps(run_dir: Path) -> list[int]:
     """Steps in a run directory's metrics.jsonl."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["step"] for line in lines]
+
+
+@pytest.fixture(scope="session")
+def docker_host():
+    """DOCKER_HOST of a private dockerd holding the base image belief-lm-ci/base
+    (debootstrap + torch), stopped and deleted after the session."""
+    require("dockerd", "docker", "docker-compose", "debootstrap")
+    state = Path(tempfile.mkdtemp(prefix="belief-lm-docker-"))
+    script = str(HERE / "docker_engine.sh")
+    env = job_env(PYTHON=sys.executable)  # its pip finds torch as setup.sh's did
+    try:
+        run(["bash", script, "up", str(state)], timeout=120, env=env)
+        run(["bash", script, "base", str(state)], timeout=900, env=env)
+        yield f"unix://{state}/docker.sock"
+    finally:
+        subprocess.run(["bash", script, "down", str(state)], timeout=120, check=False)

@@ -4,6 +4,7 @@ real 2-process torchrun."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,11 +100,17 @@ def test_cpu_job_with_container_and_no_signal(capsys):
     assert "CONTAINER_MOUNTS=/data:/data,/scratch:/scratch\n" in script
 
 
-def test_rendered_script_is_valid_bash(capsys, tmp_path):
-    _, script, _ = dry_run(capsys, "slurm", *GPU_RUN)
+@pytest.mark.parametrize("extra", [[], ["launch.container_image=img", "launch.signal_seconds=0"]])
+def test_rendered_script_passes_shellcheck(capsys, tmp_path, extra):
+    _, script, _ = dry_run(capsys, "slurm", *GPU_RUN, *extra)
     (tmp_path / "job.sbatch").write_text(script)
     out = subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")], capture_output=True)
     assert out.returncode == 0, out.stderr
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if shellcheck is None:
+        pytest.skip("needs shellcheck (bash setup.sh --dev)")
+    out = subprocess.run([shellcheck, str(tmp_path / "job.sbatch")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
 
 
 def test_template_requeues_on_the_launcher_exit_code():
