@@ -12,7 +12,8 @@ import pytest
 
 from .conftest import HERE, ROOT, TINY_RUN, job_env, logged_steps, run
 
-pytestmark = pytest.mark.slow
+# the first test's set-up builds the base and project images: minutes, past the default
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 IMAGE = "belief-lm:ci"
 USER_ID = 1001  # docker/Dockerfile's default
 
