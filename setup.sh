@@ -3,22 +3,29 @@
 # megatron-core, DeepSpeed (no op builds, no build isolation) and the project itself.
 #
 #   bash setup.sh          runtime: train / evaluate / generate
-#   bash setup.sh --dev    + test and lint tools
+#   bash setup.sh --dev    + test and lint tools (under CI, also --infra)
+#   bash setup.sh --infra  + system packages for tests/infra (SLURM, Docker; root, apt)
 #
 # Environment: VENV (default .venv), PYTHON (default python3), TORCH_VERSION (default
-# 2.13.0), TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cu128 on a cluster whose
-# default index has the wrong CUDA build). Re-running is a no-op unless this script,
+# 2.13.0; "system": keep the torch that PYTHON already has, as in an NGC PyTorch image),
+# TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cu128 on a cluster whose default
+# index has the wrong CUDA build). Re-running is a no-op unless this script,
 # pyproject.toml or the options changed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 DEV=0
+INFRA=0
 for arg in "$@"; do
   case "$arg" in
     --dev) DEV=1 ;;
-    *) echo "setup.sh: unknown option '$arg' (known: --dev)" >&2; exit 2 ;;
+    --infra) INFRA=1 ;;
+    *) echo "setup.sh: unknown option '$arg' (known: --dev, --infra)" >&2; exit 2 ;;
   esac
 done
+# CI runs the infrastructure tests for real, so there --dev brings their packages too.
+case "${CI:-}" in "" | 0 | false | no) ;; *) [[ $DEV == 1 ]] && INFRA=1 ;; esac
+[[ $INFRA == 1 ]] && bash tests/infra/install.sh
 
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
@@ -35,17 +42,23 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
 
-[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+venv_options=()
+[[ $TORCH_VERSION == system ]] && venv_options=(--system-site-packages)  # to see its torch
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "${venv_options[@]}" "$VENV"
 PY="$VENV/bin/python"
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 pip_install --upgrade pip setuptools wheel
 
-# 1. torch, pinned and first: anything that asks for an unpinned torch later finds it
-#    satisfied instead of pulling the newest (multi-GB CUDA) build.
-if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+# 1. torch, pinned and first; every later pip call is constrained to it, so a dependency
+#    asking for another torch fails instead of pulling a (multi-GB CUDA) build over it.
+if [[ $TORCH_VERSION == system ]]; then
+  "$PY" -c "import torch" || { echo "setup.sh: TORCH_VERSION=system but $PYTHON has no torch" >&2; exit 1; }
+elif ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   pip_install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
+"$PY" -c "import torch; print(f'torch=={torch.__version__}')" > "$VENV/torch-constraint.txt"
+export PIP_CONSTRAINT="$VENV/torch-constraint.txt"
 
 # 2. DeepSpeed: its setup imports torch, so no build isolation (which would fetch another
 #    torch); DS_BUILD_OPS=0 skips compiling CUDA/C++ ops (they JIT-build if ever used).
@@ -58,14 +71,16 @@ pip_install --no-build-isolation -e ".$extras"
 
 # 4. On a CPU-only machine DeepSpeed JIT-compiles a small shared-memory comm op the first
 #    time a process group starts (~30 s); do it once here rather than inside a first run.
-if ! "$PY" -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then
-  DS_ACCELERATOR=cpu "$PY" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
-    >/dev/null 2>&1 || echo "setup.sh: note: DeepSpeed's CPU comm op did not build (optional)"
+if "$PY" -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then  # exit 0: no GPU
+  # (its build runs ninja, which DeepSpeed installed into the venv: put that on PATH)
+  PATH="$(realpath "$VENV/bin"):$PATH" DS_ACCELERATOR=cpu \
+    "$PY" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
+    >/dev/null 2>&1 || echo "setup.sh: note: DeepSpeed's CPU comm op did not build (runs retry; needs a C++ compiler)"
 fi
 
 "$PY" - <<PY
 import torch, megatron.core, deepspeed, sentencepiece
-assert torch.__version__.split("+")[0] == "$TORCH_VERSION", torch.__version__
+assert "$TORCH_VERSION" in ("system", torch.__version__.split("+")[0]), torch.__version__
 print(f"setup.sh: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
       f"deepspeed {deepspeed.__version__}, cuda={torch.cuda.is_available()}")
 PY

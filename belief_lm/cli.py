@@ -5,6 +5,8 @@
     belief-lm tokenizer train --config CONFIG --output MODEL [section.key=value ...]
     belief-lm prepare --config CONFIG --output DIR [--workers N] [section.key=value ...]
     belief-lm evaluate --checkpoint DIR [--data SOURCE] [--tensor N] [--batches N] [--output F]
+    belief-lm launch local|slurm [--dry-run] --config ... [section.key=value ...]
+        local: torchrun on this machine; slurm: render slurm/pretrain.sbatch and sbatch it
 
 Exit codes: 0 done; 1 failed while running; 2 bad command line, config, data or
 checkpoint (nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint
@@ -17,11 +19,13 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 import warnings
 from pathlib import Path
 
 from belief_lm.config import ConfigError, load_config
+from launcher.env import LaunchEnvError, detect
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +61,17 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--micro-batch-size", type=int, help="default: the checkpoint's")
     sub.add_argument("--output", "-o", help="also write the JSON here")
     sub.set_defaults(config=None, overrides=[])
+    launch = commands.add_parser("launch", help="start training: torchrun here, or a SLURM job")
+    targets = launch.add_subparsers(dest="target", required=True, metavar="TARGET")
+    for name, help_text in (
+        ("local", "torchrun on this machine, launch.tasks_per_node processes"),
+        ("slurm", "render slurm/pretrain.sbatch from the launch section and sbatch it"),
+    ):
+        sub = targets.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument(
+            "--dry-run", action="store_true", help="print the command or script, run nothing"
+        )
+        _config_arguments(sub)
     return parser
 
 
@@ -97,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     _quiet_libraries()
+    if args.command == "launch":
+        return _launch(args, cfg)
     try:
         if args.command == "train":
             return _train(cfg)
@@ -146,7 +163,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     except ValueError as err:  # a missing or unusable checkpoint or data source
         print(f"belief-lm: {err}", file=sys.stderr)
         return 2
-    if int(os.environ.get("RANK", "0")) == 0:
+    if detect().rank == 0:
         text = json.dumps(result, indent=2)
         print(text)
         if args.output:
@@ -154,9 +171,50 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace, cfg) -> int:
+    """`launch local` execs torchrun; `launch slurm` renders the sbatch script and submits it."""
+    from belief_lm.parallel.setup import check_layout
+    from belief_lm.train.engine import grad_accumulation_steps
+    from launcher import local, slurm
+
+    train_args = [*(["--config", args.config] if args.config else []), *args.overrides]
+    try:
+        # The batch/layout checks need the world size, known here: fail now, not after
+        # the job waited in the queue.
+        world_size = cfg.launch.nodes * cfg.launch.tasks
+        grad_accumulation_steps(
+            cfg, check_layout(world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
+        )
+        if args.target == "local":
+            command = local.torchrun_command(cfg, train_args)
+        else:
+            script = slurm.render(cfg, train_args)
+    except ValueError as err:
+        print(f"belief-lm: {err}", file=sys.stderr)
+        return 2
+    if args.target == "local":
+        if args.dry_run:
+            print(shlex.join(command))
+            return 0
+        os.execv(command[0], command)  # torchrun takes over this process (and its signals)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    try:
+        job_id, log_file = slurm.submit(cfg, script)
+    except (OSError, RuntimeError) as err:
+        print(f"belief-lm: {err}", file=sys.stderr)
+        return 1
+    print(f"submitted job {job_id}; log: {log_file}")
+    return 0
+
+
 def _quiet_libraries() -> None:
     """Our log lines on the first rank; library chatter and warnings only when asked for."""
-    rank = int(os.environ.get("RANK", "0"))
+    try:
+        rank = detect().rank  # RANK is not set yet under SLURM or MPI
+    except LaunchEnvError:
+        rank = 0  # train() reports the problem
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not os.environ.get("BELIEF_LM_VERBOSE"):

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 AttentionVariant = Literal[
     "softmax",
@@ -297,6 +305,82 @@ class RunConfig(Section):
     """Peak dense TFLOP/s of one device, for MFU; None: looked up for known GPUs (bf16)."""
 
 
+def _one_word(value: str) -> str:
+    if not value or any(c.isspace() or c in "'\"" for c in value):
+        raise ValueError(f"{value!r} must be one word without quotes (it becomes an sbatch option)")
+    return value
+
+
+def _variable_name(value: str) -> str:
+    if not value.isidentifier() or not value.isascii():
+        raise ValueError(f"{value!r} is not an environment variable name")
+    return value
+
+
+SlurmWord = Annotated[str, AfterValidator(_one_word)]
+
+
+class LaunchConfig(Section):
+    """How `belief-lm launch` starts the run: tasks per node, and for SLURM the allocation,
+    the time-limit warning and requeueing, and an optional pyxis/enroot container."""
+
+    nodes: PositiveInt = 1
+    """Nodes (SLURM); `launch local` runs on one."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs per node, one task each; 0: CPU tasks (gloo)."""
+    tasks_per_node: PositiveInt | None = None
+    """Processes per node; None: gpus_per_node, or 1 without GPUs."""
+    cpus_per_task: PositiveInt | None = None
+    """CPU cores per task (also OMP_NUM_THREADS); None: the partition's default."""
+    partition: SlurmWord | None = None
+    """SLURM partition; required with GPUs."""
+    account: SlurmWord | None = None
+    """SLURM account to charge; None: the user's default."""
+    time_minutes: PositiveInt = 60
+    """Wall-clock limit of each job in minutes (a requeued job gets a new one)."""
+    job_name: SlurmWord | None = None
+    """SLURM job name; None: belief-lm-<model.name>."""
+    signal_seconds: int = Field(300, ge=0, le=65535)
+    """SIGUSR1 this many seconds before the time limit, so the run checkpoints and requeues
+    itself; 0: no warning."""
+    max_restarts: int = Field(20, ge=0)
+    """Requeues after which a job that asks for another stops instead."""
+    log_dir: str | None = None
+    """Where SLURM writes job logs and the rendered script; None: <run.output_dir>/slurm."""
+    container_image: SlurmWord | None = None
+    """pyxis/enroot image for the tasks (srun --container-image); None: run on the host."""
+    container_mounts: list[SlurmWord] = Field(default_factory=list)
+    """More pyxis mounts SRC:DST (the submit directory is always mounted at its own path)."""
+    sbatch_options: list[SlurmWord] = Field(default_factory=list)
+    """More #SBATCH options, verbatim, e.g. --qos=high or --exclusive."""
+    env: dict[Annotated[str, AfterValidator(_variable_name)], str] = Field(default_factory=dict)
+    """Environment variables for the tasks, e.g. {NCCL_SOCKET_IFNAME: ib0}."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LaunchConfig:
+        if self.gpus_per_node and self.partition is None:
+            raise ValueError(
+                f"gpus_per_node is {self.gpus_per_node} but partition is not set "
+                "(GPU nodes are in a named partition)"
+            )
+        if self.gpus_per_node and self.tasks_per_node not in (None, self.gpus_per_node):
+            raise ValueError(
+                f"tasks_per_node ({self.tasks_per_node}) must equal gpus_per_node "
+                f"({self.gpus_per_node}): one task per GPU"
+            )
+        if self.signal_seconds >= 60 * self.time_minutes:
+            raise ValueError(
+                f"signal_seconds ({self.signal_seconds}) must be shorter than time_minutes "
+                f"({self.time_minutes} min)"
+            )
+        return self
+
+    @property
+    def tasks(self) -> int:
+        """Processes per node, resolved."""
+        return self.tasks_per_node or self.gpus_per_node or 1
+
+
 class Config(Section):
     """A whole run."""
 
@@ -306,6 +390,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     @model_validator(mode="after")
     def _batch_in_tokens(self) -> Config:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from launcher.env import device_for
+
 
 def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     """The compute device for this process.
@@ -20,10 +22,7 @@ def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     CPU, unless DS_ACCELERATOR says otherwise): set it here when it is not yet imported,
     and fail clearly if an earlier import chose a different one.
     """
-    use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("run.device=cuda but torch sees no CUDA device")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    device = device_for(local_rank, choice)
     if "deepspeed" not in sys.modules:
         os.environ["DS_ACCELERATOR"] = device.type
     else:
@@ -35,8 +34,8 @@ def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
                 f"deepspeed was imported with accelerator {chosen!r} before the run chose "
                 f"{device.type!r}; set DS_ACCELERATOR={device.type}"
             )
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     return device
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from launcher.env import ProcessEnv
+from launcher.env import ProcessEnv, backend_for
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def init_distributed(env: ProcessEnv, device: torch.device, timeout_s: float = 6
 
     env.export()
     deepspeed.init_distributed(
-        dist_backend="nccl" if device.type == "cuda" else "gloo",
+        dist_backend=backend_for(device),
         auto_mpi_discovery=False,
         timeout=timedelta(seconds=timeout_s),
     )

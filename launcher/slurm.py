@@ -1,0 +1,117 @@
+"""`belief-lm launch slurm`: render slurm/pretrain.sbatch from a run's `launch:` section and
+submit it with sbatch.
+
+Rendering replaces the template's #SBATCH lines and its settings block (between
+`# >>> settings` and `# <<< settings`); everything else runs as written, so a rendered
+script and `sbatch slurm/pretrain.sbatch ...` behave the same.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from belief_lm.train.signals import PREEMPTED_EXIT_CODE
+
+if TYPE_CHECKING:
+    from belief_lm.config import Config
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "pretrain.sbatch"
+REQUEUE_EXIT_CODE = PREEMPTED_EXIT_CODE
+"""The trainer's exit code after it saved a checkpoint on SIGUSR1/SIGTERM (it wants to go
+on in a requeued job); the template requeues on it (a test checks the two agree)."""
+_SETTINGS = re.compile(r"^# >>> settings\n.*?^# <<< settings\n", re.M | re.S)
+
+
+def log_dir(cfg: Config) -> Path:
+    """Where the job's log and rendered script go."""
+    return Path(cfg.launch.log_dir or Path(cfg.run.output_dir) / "slurm")
+
+
+def sbatch_options(cfg: Config) -> list[str]:
+    """The #SBATCH options for this run, from its `launch:` section."""
+    launch = cfg.launch
+    options = [
+        f"--job-name={job_name(cfg)}",
+        f"--nodes={launch.nodes}",
+        f"--ntasks-per-node={launch.tasks}",
+    ]
+    optional = {
+        "gpus-per-node": launch.gpus_per_node or None,
+        "cpus-per-task": launch.cpus_per_task,
+        "partition": launch.partition,
+        "account": launch.account,
+    }
+    options += [f"--{key}={value}" for key, value in optional.items() if value is not None]
+    options.append(f"--time={launch.time_minutes}")
+    if launch.signal_seconds:
+        # B: only the batch shell gets it; the template forwards it to the tasks and then
+        # decides about requeueing once they have stopped.
+        options.append(f"--signal=B:USR1@{launch.signal_seconds}")
+    options += [
+        "--requeue",
+        "--open-mode=append",  # a requeued job appends to the same log
+        f"--output={log_dir(cfg)}/%x-%j.out",
+        *launch.sbatch_options,
+    ]
+    return options
+
+
+def render(cfg: Config, train_args: list[str], command: str | None = None) -> str:
+    """The sbatch script for `belief-lm train <train_args>` with this config's settings.
+
+    `command` is what runs `belief-lm` on the nodes: by default this interpreter's
+    environment's console script (the same shared path on every node), or plain `belief-lm`
+    inside a container image.
+    """
+    launch = cfg.launch
+    if command is None:
+        command = "belief-lm" if launch.container_image else _console_script()
+    settings = [
+        "# >>> settings (rendered by belief-lm launch slurm)",
+        f"BELIEF_LM={shlex.quote(command)}",
+        f"TRAIN_ARGS=({shlex.join(train_args)})",
+        f"CONTAINER_IMAGE={shlex.quote(launch.container_image or '')}",
+        f"CONTAINER_MOUNTS={shlex.quote(','.join(launch.container_mounts))}",
+        f"MAX_RESTARTS={launch.max_restarts}",
+        *(f"export {key}={shlex.quote(value)}" for key, value in launch.env.items()),
+        "# <<< settings",
+    ]
+    lines = TEMPLATE.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    body = [line for line in lines if not line.startswith("#SBATCH")]
+    body[first:first] = [f"#SBATCH {option}" for option in sbatch_options(cfg)]
+    script, count = _SETTINGS.subn(lambda _: "\n".join(settings) + "\n", "\n".join(body) + "\n")
+    if count != 1:
+        raise RuntimeError(f"{TEMPLATE} has no settings block to fill in")
+    return script
+
+
+def submit(cfg: Config, script: str) -> tuple[int, Path]:
+    """Submit the script with sbatch; returns the job id and the job's log file, beside
+    which the submitted script is kept (<job name>-<job id>.sbatch)."""
+    logs = log_dir(cfg)
+    logs.mkdir(parents=True, exist_ok=True)  # SLURM does not create the log directory
+    out = subprocess.run(
+        ["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=60
+    )
+    if out.returncode:
+        raise RuntimeError(f"sbatch failed ({out.returncode}): {out.stderr.strip()}")
+    job_id = int(out.stdout.strip().split(";")[0])  # "JOBID" or "JOBID;CLUSTER"
+    name = f"{job_name(cfg)}-{job_id}"
+    (logs / f"{name}.sbatch").write_text(script)
+    return job_id, logs / f"{name}.out"
+
+
+def job_name(cfg: Config) -> str:
+    """The SLURM job name: launch.job_name, or belief-lm-<model name>."""
+    return cfg.launch.job_name or f"belief-lm-{cfg.model.name}"
+
+
+def _console_script() -> str:
+    script = Path(sys.executable).with_name("belief-lm")
+    return str(script.absolute()) if script.exists() else "belief-lm"

@@ -1,0 +1,101 @@
+"""Real infrastructure for the tests in this folder: a 2-node SLURM cluster and a Docker
+engine, started on this machine (as root) and torn down afterwards.
+
+Without root or the packages (tests/infra/install.sh) these tests skip, so a developer's
+laptop passes; under CI (CI set, as .ci/run does) a missing prerequisite fails instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def require(*tools: str) -> None:
+    """Skip (fail under CI) unless running as root with every tool on PATH."""
+    problems = [] if os.geteuid() == 0 else ["needs root"]
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        problems.append(f"missing {', '.join(missing)} (bash setup.sh --dev --infra)")
+    if problems:
+        reason = "infrastructure test: " + "; ".join(problems)
+        if IN_CI:
+            pytest.fail(reason + " -- CI must run it")
+        pytest.skip(reason)
+
+
+def run(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """Run a command, failing the test with its output if it fails."""
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs)
+    if out.returncode:
+        pytest.fail(f"{' '.join(command)} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """SLURM_CONF of a running 2-node cluster (node1, node2), stopped after the session."""
+    require("slurmctld", "slurmd", "munged", "sbatch", "iptables")
+    # not under pytest's private (0700) temporary directory: munged runs as user munge
+    state = Path(tempfile.mkdtemp(prefix="belief-lm-slurm-"))
+    state.chmod(0o755)
+    script = str(HERE / "slurm_cluster.sh")
+    try:
+        run(["bash", script, "up", str(state)], timeout=120)
+        yield state / "slurm.conf"
+    finally:
+        subprocess.run(["bash", script, "down", str(state)], timeout=120, check=False)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+# A few steps of a 1-layer tiny model with 2 data-parallel ranks of 4 sequences each.
+TINY_RUN = [
+    "--config",
+    "configs/tiny.yaml",
+    "model.num_layers=1",
+    "train.max_steps=4",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "run.log_interval=2",
+    "run.tensorboard=false",
+]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """This environment for a job or container, minus rendezvous variables a test process
+    may carry (the single-process fixtures export RANK, MASTER_ADDR, ...)."""
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    """Steps in a run directory's metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
+@pytest.fixture(scope="session")
+def docker_host():
+    """DOCKER_HOST of a private dockerd holding the base image belief-lm-ci/base
+    (debootstrap + torch), stopped and deleted after the session."""
+    require("dockerd", "docker", "docker-compose", "debootstrap")
+    state = Path(tempfile.mkdtemp(prefix="belief-lm-docker-"))
+    script = str(HERE / "docker_engine.sh")
+    env = job_env(PYTHON=sys.executable)  # its pip finds torch as setup.sh's did
+    try:
+        run(["bash", script, "up", str(state)], timeout=120, env=env)
+        run(["bash", script, "base", str(state)], timeout=900, env=env)
+        yield f"unix://{state}/docker.sock"
+    finally:
+        subprocess.run(["bash", script, "down", str(state)], timeout=120, check=False)
