@@ -254,6 +254,10 @@ class TrainConfig(Section):
     """Compute precision; auto: bf16 on GPU, fp32 on CPU."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of storing them."""
+    eval_interval: int = Field(0, ge=0)
+    """Steps between validation-loss evaluations (and at the last step); 0: never."""
+    eval_batches: PositiveInt = 20
+    """Held-out micro-batches per data-parallel rank in each evaluation."""
     max_nonfinite_steps: PositiveInt = 5
     """Consecutive steps with a non-finite gradient (skipped on every rank) after which
     the run stops with an error."""

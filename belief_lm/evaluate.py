@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from belief_lm.checkpoint.consolidate import Consolidated, consolidate, load_full_state
 from belief_lm.config import SourceConfig
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
 from belief_lm.runtime import select_device
-from belief_lm.train.data import build_validation_data
+from belief_lm.train.validation import validation_batches, validation_loss
 from data_pipeline.tokenizer import Tokenizer
 from launcher import env as launcher_env
 
@@ -50,31 +48,22 @@ def evaluate(
         )
     micro = micro_batch_size or cfg.train.micro_batch_size
     tokenizer = Tokenizer(ckpt.tokenizer_path)
-    batches = build_validation_data(
-        data, tokenizer, cfg.model.seq_length, micro, 0, 1, torch_device,
-        max_batches * layout.data,
-    )[layout.data_rank :: layout.data]  # fmt: skip
+    batches = validation_batches(
+        data, tokenizer, cfg.model.seq_length, micro, layout, torch_device, max_batches
+    )
     model = BeliefLM(cfg.model, ckpt.info.vocab_size, layout.tensor, seed=cfg.run.seed)
     load_full_state(model, ckpt.state_dict)
-    model.to(torch_device).eval()
-
-    totals = torch.zeros(2, dtype=torch.float64)  # summed loss x tokens, tokens
-    with torch.no_grad():
-        for tokens, labels in batches:
-            totals[0] += float(model(tokens, labels)) * labels.numel()
-            totals[1] += labels.numel()
-    dist.all_reduce(totals, group=ps.get_data_parallel_group())
-    if totals[1] == 0:
+    loss, tokens = validation_loss(model.to(torch_device), batches)
+    if tokens == 0:
         raise ValueError(
             f"no validation data for {checkpoint} (data: {[s.uri for s in data.sources]})"
         )
-    loss = float(totals[0] / totals[1])
     return {
         "checkpoint": str(ckpt.path),
         "step": ckpt.info.step,
         "loss": loss,
         "perplexity": math.exp(loss),
-        "tokens": int(totals[1]),
+        "tokens": tokens,
         "sources": [s.uri for s in data.sources],
         "layout": {"tensor": layout.tensor, "data": layout.data},
     }

@@ -8,6 +8,7 @@ policy are small functions below the loop.
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import time
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from belief_lm.train.flops import flops_per_token, peak_tflops
 from belief_lm.train.metrics import MetricsLogger
 from belief_lm.train.run_dir import drop_metrics_after, prepare_run_dir
 from belief_lm.train.signals import Preempted, StopRequests
+from belief_lm.train.validation import validation_batches, validation_loss
 from data_pipeline.loader import TrainData
 from data_pipeline.tokenizer import Tokenizer, copy_model
 from launcher import env as launcher_env
@@ -56,6 +58,8 @@ class TrainResult:
     steps: int
     losses: dict[int, float] = field(default_factory=dict)
     """Loss (mean over the global batch) at every logged step."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    """Validation loss at every evaluated step."""
     skipped_steps: list[int] = field(default_factory=list)
     """Steps whose update was skipped because a gradient was not finite."""
 
@@ -86,6 +90,8 @@ def train(cfg: Config) -> TrainResult:
                 raise
             if step % cfg.run.log_interval == 0 or step == cfg.train.max_steps:
                 result.losses[step] = run.log(step, loss, lr)
+            if run.validation_due(step):
+                result.val_losses[step] = run.validate(step)
             if cfg.run.diagnostics_interval and step % cfg.run.diagnostics_interval == 0:
                 run.diagnose(step)
             stopping = stop.agreed()  # a stop signal on any rank (one small all-reduce)
@@ -112,6 +118,8 @@ class Run:
     micro_batches: TimedIterator
     meter: Meter
     metrics: MetricsLogger | None
+    validation: list
+    """This rank's held-out micro-batches (empty unless train.eval_interval is set)."""
     start: int
     """The step the run resumed after (0 for a fresh run)."""
     consumed: int
@@ -128,6 +136,19 @@ class Run:
             self.metrics.log(step, scalars)
             log.info("step %d/%d | %s", step, self.cfg.train.max_steps, _format(scalars))
         return scalars["loss"]
+
+    def validation_due(self, step: int) -> bool:
+        interval, last = self.cfg.train.eval_interval, step == self.cfg.train.max_steps
+        return bool(interval) and (step % interval == 0 or last)
+
+    def validate(self, step: int) -> float:
+        """Log the held-out loss (collective) and return it."""
+        loss, tokens = validation_loss(self.trainee.engine, self.validation, self.trainee.pipelined)
+        scalars = {"val_loss": loss, "val_perplexity": math.exp(loss), "val_tokens": tokens}
+        if self.metrics is not None:
+            self.metrics.log(step, scalars, prefix="val")
+            log.info("step %d | %s", step, _format(scalars))
+        return loss
 
     def diagnose(self, step: int) -> None:
         """Belief diagnostics on this step's last micro-batch (training is not perturbed)."""
@@ -176,6 +197,12 @@ def setup(cfg: Config) -> Run:
         layout.data_rank, layout.data, device,
     )  # fmt: skip
     start = 0 if plan is None else checkpointing.restore(plan, cfg, trainee.engine, data, layout)
+    validation = []
+    if cfg.train.eval_interval:
+        validation = validation_batches(
+            cfg.data, tokenizer, cfg.model.seq_length, cfg.train.micro_batch_size, layout,
+            device, cfg.train.eval_batches,
+        )  # fmt: skip
     metrics = None
     if is_logger:
         copy_model(tokenizer, run_dir / "tokenizer.model")  # the run dir is self-contained
@@ -194,7 +221,8 @@ def setup(cfg: Config) -> Run:
         cfg=cfg, layout=layout, run_dir=run_dir, tokenizer=tokenizer, vocab_size=vocab_size,
         trainee=trainee, data=data, micro_batches=TimedIterator(data),
         meter=Meter(cfg, vocab_size, device, dist.get_world_size()), metrics=metrics,
-        start=start, consumed=0 if plan is None else plan.info.consumed_tokens,
+        validation=validation, start=start,
+        consumed=0 if plan is None else plan.info.consumed_tokens,
     )  # fmt: skip
 
 

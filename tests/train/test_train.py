@@ -121,3 +121,23 @@ def test_belief_diagnostics_logged(tmp_path, cache_dir):
     assert [r["step"] for r in rows] == [2, 4]
     for layer in (1, 2):
         assert 0 < rows[-1][f"layer{layer}/delta_over_mh"] <= 1 + 1e-6
+
+
+def test_validation_during_training_matches_evaluate(tmp_path, cache_dir):
+    from belief_lm.evaluate import evaluate
+
+    result = train(
+        small(
+            tmp_path,
+            cache_dir,
+            "train.max_steps=4",
+            "train.eval_interval=2",
+            "train.eval_batches=3",
+        )
+    )
+    assert sorted(result.val_losses) == [2, 4]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
+    evaluated = evaluate(str(tmp_path / "checkpoints" / "step_000004"), max_batches=3)
+    assert evaluated["loss"] == pytest.approx(result.val_losses[4], rel=1e-6)
+    assert evaluated["tokens"] == 3 * 8 * 64

@@ -1,0 +1,63 @@
+"""Validation loss on held-out batches that do not depend on the layout.
+
+Every rank reads the held-out stream as a single reader would and data-parallel rank r
+takes batches r, r + DP, ...: the same batches whatever the TP/PP/DP split, so runs on
+different layouts (and `belief-lm evaluate` afterwards) measure the same thing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from belief_lm.config import DataConfig
+from belief_lm.parallel.setup import Layout
+from belief_lm.train.data import build_validation_data
+from data_pipeline.tokenizer import Tokenizer
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def validation_batches(
+    data: DataConfig,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    micro_batch_size: int,
+    layout: Layout,
+    device: torch.device,
+    max_batches: int,
+) -> list[Batch]:
+    """This data-parallel rank's share of up to `max_batches` x DP held-out micro-batches."""
+    batches = build_validation_data(
+        data, tokenizer, seq_len, micro_batch_size, 0, 1, device, max_batches * layout.data
+    )
+    return batches[layout.data_rank :: layout.data]
+
+
+@torch.no_grad()
+def validation_loss(
+    model_or_engine, batches: list[Batch], pipelined: bool = False
+) -> tuple[float, int]:
+    """Mean next-token loss over every rank's batches and the number of predicted tokens
+    (collective over the data-parallel group; the model is left in training mode)."""
+    module = model_or_engine.module if hasattr(model_or_engine, "module") else model_or_engine
+    was_training = module.training
+    module.eval()
+    totals = torch.zeros(2, dtype=torch.float64)  # summed loss x tokens, tokens
+    try:
+        if pipelined and batches:  # DeepSpeed runs the micro-batches through the stages
+            loss = model_or_engine.eval_batch(iter(batches), num_micro_batches=len(batches))
+            tokens = sum(labels.numel() for _, labels in batches)  # equal-size micro-batches
+            totals += torch.tensor([float(loss) * tokens, tokens], dtype=torch.float64)
+        else:
+            for tokens, labels in batches:
+                totals[0] += float(module(tokens, labels)) * labels.numel()
+                totals[1] += labels.numel()
+    finally:
+        module.train(was_training)
+    if dist.is_initialized():
+        dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    if totals[1] == 0:
+        return float("nan"), 0
+    return float(totals[0] / totals[1]), int(totals[1])
