@@ -96,6 +96,9 @@ class ModelConfig(Section):
     """AttentionX's γ in Φ = γV - H, in (0, 1]."""
     beta: float = Field(1.0, ge=0)
     """Attention-BN's β weighting the key mean that recentres queries and keys."""
+    fused_projections: bool = False
+    """Compile the belief projections with torch.compile (fused kernels, same math; not
+    part of the architecture: a checkpoint resumes with either setting)."""
     sh_scales: list[PositiveInt] = Field(default_factory=lambda: [1, 1, 2, 4])
     """Attention-SH per-head downsampling factors, repeated across the heads (its length
     must divide num_attention_heads)."""
@@ -266,7 +269,8 @@ class TrainConfig(Section):
     def _consistent(self) -> TrainConfig:
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
-        if self.global_batch_size % self.micro_batch_size:
+        # with global_batch_tokens the batch is derived, and checked, by Config
+        if self.global_batch_tokens is None and self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"global_batch_size ({self.global_batch_size}) must be a multiple of "
                 f"micro_batch_size ({self.micro_batch_size})"
@@ -362,11 +366,6 @@ class LaunchConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> LaunchConfig:
-        if self.gpus_per_node and self.partition is None:
-            raise ValueError(
-                f"gpus_per_node is {self.gpus_per_node} but partition is not set "
-                "(GPU nodes are in a named partition)"
-            )
         if self.gpus_per_node and self.tasks_per_node not in (None, self.gpus_per_node):
             raise ValueError(
                 f"tasks_per_node ({self.tasks_per_node}) must equal gpus_per_node "
@@ -413,6 +412,11 @@ class Config(Section):
             raise ValueError(
                 f"train.global_batch_size ({self.train.global_batch_size}) and "
                 f"train.global_batch_tokens ({tokens}) disagree; set one of them"
+            )
+        if sequences % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_tokens ({tokens}) is {sequences} sequences, not a multiple "
+                f"of train.micro_batch_size ({self.train.micro_batch_size})"
             )
         self.train.global_batch_size = sequences
         return self

@@ -46,12 +46,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--min-run-time", type=float, default=5.0, help="seconds per variant")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--fused", action="store_true", help="model.fused_projections=true (torch.compile)"
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("overrides", nargs="*", help="model overrides (default: a small CPU size)")
     args = parser.parse_args()
 
     overrides = args.overrides or (SMALL_CPU_MODEL if args.device == "cpu" else [])
-    model_cfg = load_config(args.model, overrides).model
+    fused = ["model.fused_projections=true"] if args.fused else []
+    model_cfg = load_config(args.model, [*overrides, *fused]).model
     device = select_device(args.device)
     init_distributed(detect(), device)
     init_model_parallel(1, 1)
@@ -62,7 +67,7 @@ def main() -> None:
     labels = torch.randint(0, args.vocab, shape, generator=gen).to(device)
 
     rows = {}
-    for variant in VARIANTS:
+    for variant in dict.fromkeys(["softmax", *args.variants]):  # softmax is the baseline
         cfg = model_cfg.model_copy(update={"attention": variant})
         model = BeliefLM(cfg, args.vocab).to(device=device, dtype=dtype)
 
@@ -86,7 +91,8 @@ def main() -> None:
     for row in rows.values():
         row["relative_to_softmax"] = row["median_ms"] / base
 
-    out = args.out or f"bench/results/attention_overhead_{args.device}.json"
+    suffix = "_fused" if args.fused else ""
+    out = args.out or f"bench/results/attention_overhead_{args.device}{suffix}.json"
     result = {
         "benchmark": "forward+backward of the whole model, per attention variant",
         "model": model_cfg.model_dump(mode="json"),

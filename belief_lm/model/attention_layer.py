@@ -68,11 +68,12 @@ class FamilyCoreAttention(MegatronModule):
         gamma: float = 0.5,
         beta: float = 1.0,
         head_scales: Sequence[int] = (),
+        fused: bool = False,
     ):
         super().__init__(config=config)
         self.mixing, self.residual = VARIANTS[variant]
         self.softmax_scale = softmax_scale
-        self.gamma, self.beta = gamma, beta
+        self.gamma, self.beta, self.fused = gamma, beta, fused
         tp_group = pg_collection.tp if pg_collection is not None else None
         self.shard_sum = tensor_parallel_sum(tp_group)
         if self.mixing in ("sh", "bn_sh"):
@@ -109,10 +110,14 @@ class FamilyCoreAttention(MegatronModule):
             return h.flatten(2)
         if self.residual == "attentionx":
             return family.consensus_discrepancy(h, v_heads, self.gamma).flatten(2)
-        delta = family.global_orthogonal_residual(h.flatten(2), v_heads.flatten(2), self.shard_sum)
+        delta = family.global_orthogonal_residual(
+            h.flatten(2), v_heads.flatten(2), self.shard_sum, self.fused
+        )
         if self.residual == "belief":
             return delta
-        return torch.cat((delta, family.per_head_orthogonal_residual(h, v_heads).flatten(2)), -1)
+        return torch.cat(
+            (delta, family.per_head_orthogonal_residual(h, v_heads, self.fused).flatten(2)), -1
+        )
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, scale: int) -> Tensor:
         """softmax(q k^T) v for [b, heads, s, d] tensors; keys pooled by `scale`; queries
@@ -177,10 +182,8 @@ class BeliefStarProjection(RowParallelLinear):
 
 
 def core_attention_spec(
-    variant: str, gamma: float, beta: float, head_scales: Sequence[int]
+    variant: str, gamma: float, beta: float, head_scales: Sequence[int], fused: bool = False
 ) -> ModuleSpec:
     """The core-attention entry of megatron's SelfAttention spec for one variant."""
-    return ModuleSpec(
-        module=FamilyCoreAttention,
-        params={"variant": variant, "gamma": gamma, "beta": beta, "head_scales": head_scales},
-    )
+    params = {"variant": variant, "gamma": gamma, "beta": beta, "head_scales": head_scales}
+    return ModuleSpec(module=FamilyCoreAttention, params={**params, "fused": fused})

@@ -78,7 +78,7 @@ def decoder_layer_spec(cfg: ModelConfig) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = core_attention_spec(
-        cfg.attention, gamma=cfg.gamma, beta=cfg.beta, head_scales=cfg.head_scales
+        cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.fused_projections
     )
     if cfg.attention == "belief_star":
         attention.linear_proj = BeliefStarProjection

@@ -31,6 +31,10 @@ CONVERSION_TIMEOUT = timedelta(hours=2)
 """How long other ranks wait while rank 0 converts a checkpoint to the universal form."""
 
 
+RUNTIME_ONLY = {"name", "fused_projections"}
+"""Model-config keys that do not change the architecture (free to differ on resume)."""
+
+
 @dataclass(frozen=True)
 class ResumePlan:
     """The checkpoint to continue from, and whether it needs the universal path."""
@@ -89,7 +93,7 @@ def _check_compatible(cfg: Config, path: Path) -> None:
         differ = sorted(
             f"{section}.{k} (checkpoint: {saved[section].get(k)!r}, now: {v!r})"
             for k, v in current[section].items()
-            if saved.get(section, {}).get(k) != v and k != "name"
+            if saved.get(section, {}).get(k) != v and k not in RUNTIME_ONLY
         )
         if differ:
             raise CheckpointError(

@@ -120,7 +120,6 @@ def test_template_requeues_on_the_launcher_exit_code():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["launch.gpus_per_node=4"], "gpus_per_node is 4 but partition is not set"),
         (["launch.nodes=0"], "launch.nodes = 0: Input should be greater than 0"),
         (
             ["launch.time_minutes=5"],
