@@ -95,3 +95,22 @@ def test_resume_on_another_layout(saved_8_ranks, reference_6_steps, tmp_path, tp
         "params": reference_6_steps["params"],
     }
     assert_equivalent(resumed, later, first_step_exact=False)
+
+
+def test_streaming_parquet_two_ranks_stop_and_resume(tmp_path, cache_dir):
+    """Issue 3's end to end: 2 data-parallel ranks (2 loader workers each) train on
+    FineWeb-Edu-schema parquet through the hub code path; stopped at step 3 and resumed,
+    the run's losses (so its batches) equal those of an uninterrupted run."""
+    from tests.data_pipeline.corpora import write_fineweb
+
+    write_fineweb(tmp_path / "fineweb-edu", files=4, rows_per_file=12, row_group_size=4, chars=600)
+    data = [
+        f"data.sources=[{{uri: 'hf:{tmp_path / 'fineweb-edu'}:sample-10BT', id_column: id}}]",
+        "data.num_workers=2", "data.tokenizer.vocab_size=512", "data.validation_fraction=0.05",
+        f"run.cache_dir={tmp_path / 'cache'}", "checkpoint.interval=3",
+    ]  # fmt: skip
+    whole = train(2, tmp_path / "whole", cache_dir, *data)
+    step3 = tmp_path / "whole" / "checkpoints" / "step_000003"
+    resumed = train(2, tmp_path / "resumed", cache_dir, *data, f"checkpoint.resume={step3}")
+    assert list(resumed) == [4, 5, 6]
+    assert [resumed[s] for s in (4, 5, 6)] == [whole[s] for s in (4, 5, 6)]
