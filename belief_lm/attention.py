@@ -1,7 +1,7 @@
 """The math of the belief-attention family, as plain tensor functions.
 
 Everything a newcomer needs to check against the papers is here; the megatron-core wiring
-(which tensors go in, tensor parallelism) lives in `belief_lm/model/attention.py`.
+(which tensors go in, tensor parallelism) lives in `belief_lm/model/attention_layer.py`.
 
 Notation (per layer, per token i): H_m = softmax(Q_m K_m^T / sqrt(d)) V_m for head m,
 MH = concat_m H_m, V = concat_m V_m (with GQA, V_m is the value of head m's KV group).
@@ -17,6 +17,10 @@ MH = concat_m H_m, V = concat_m V_m (with GQA, V_m is the value of head m's KV g
   the pooled slot b averages tokens b*s-s+1 .. b*s, so a query at i sees only slots with
   b*s <= i (slot 0 is token 0 alone, so every query sees at least one slot).
 
+`attention_heads` and `residual_signal` put these together into a whole attention layer's
+core (Q, K, V in; the signal for the output projection out). They are also what the
+Hugging Face export ships (this file needs only torch), so both compute the same thing.
+
 All projections are per token: coefficients never mix positions. Inner products are
 accumulated in fp32 whatever the input dtype. If <V_i, V_i> = 0 then V_i = 0 and <MH_i, V_i> = 0,
 so the coefficient is defined as 0 and Δ_i = MH_i (the projection onto the zero vector is
@@ -26,10 +30,22 @@ zero); gradients stay finite.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+# model.attention -> (how H is computed, which residual signal feeds the output projection)
+VARIANTS: dict[str, tuple[str, str]] = {
+    "softmax": ("softmax", "mh"),
+    "belief": ("softmax", "belief"),
+    "belief_star": ("softmax", "belief_star"),
+    "attentionx": ("softmax", "attentionx"),
+    "attention_bn": ("bn", "mh"),
+    "attention_sh": ("sh", "mh"),
+    "attention_bn_sh": ("bn_sh", "mh"),
+}
 
 ShardSum = Callable[[Tensor], Tensor]
 """Sums a tensor over the tensor-parallel ranks that hold the other heads (identity at TP=1).
@@ -137,3 +153,79 @@ def pooled_causal_mask(seq_len: int, scale: int, device: torch.device | None = N
     (b*scale <= i): every position the slot averages is at or before i."""
     slot_ends = torch.arange(0, seq_len, scale, device=device)
     return slot_ends.unsqueeze(0) <= torch.arange(seq_len, device=device).unsqueeze(1)
+
+
+def heads_from_groups(kv: Tensor, heads: int, dim: int = 1) -> Tensor:
+    """Repeat KV groups along `dim` so each of `heads` query heads has its own copy
+    (megatron and SDPA's GQA order: query heads g*r .. g*r+r-1 share group g)."""
+    repeats = heads // kv.shape[dim]
+    return kv if repeats == 1 else kv.repeat_interleave(repeats, dim=dim)
+
+
+def attention_heads(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mixing: str,
+    *,
+    beta: float = 1.0,
+    head_scales: Sequence[int] = (),
+    softmax_scale: float | None = None,
+) -> Tensor:
+    """Causal H for queries [b, heads, s, d] and keys/values [b, groups, s, d].
+
+    `mixing` is VARIANTS' first entry: plain softmax, Attention-BN (queries recentred by the
+    mean of the keys each may see), Attention-SH (head m attends to keys/values pooled by
+    `head_scales[m]`) or both. Softmax runs in torch SDPA (flash kernels on GPU).
+    """
+    if mixing not in ("sh", "bn_sh"):
+        return _attend(q, k, v, mixing, beta, 1, softmax_scale)
+    heads = q.shape[1]
+    k, v = heads_from_groups(k, heads), heads_from_groups(v, heads)
+    out = torch.empty_like(q)
+    for scale in sorted(set(head_scales)):  # each group of heads sharing a scale at once
+        idx = [i for i, s in enumerate(head_scales) if s == scale]
+        out[:, idx] = _attend(q[:, idx], k[:, idx], v[:, idx], mixing, beta, scale, softmax_scale)
+    return out
+
+
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, mixing: str, beta: float, scale: int, softmax_scale
+) -> Tensor:
+    """softmax(q k^T) v for [b, heads, s, d] tensors, keys pooled by `scale`."""
+    seq_len = q.shape[2]
+    if scale > 1:
+        k, v = causal_pool(k, scale, dim=2), causal_pool(v, scale, dim=2)
+    if mixing in ("bn", "bn_sh"):
+        mean = causal_mean(k, dim=2)  # over slots/keys 0..b
+        if scale > 1:
+            mean = mean[:, :, torch.arange(seq_len, device=q.device) // scale]
+        q = recentred_queries(q, heads_from_groups(mean, q.shape[1]), beta)
+    if scale == 1:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=softmax_scale, enable_gqa=True
+        )
+    mask = pooled_causal_mask(seq_len, scale, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
+
+
+def residual_signal(
+    h: Tensor,
+    v_heads: Tensor,
+    residual: str,
+    gamma: float = 0.5,
+    shard_sum: ShardSum | None = None,
+    fused: bool = False,
+) -> Tensor:
+    """What the output projection receives, from H and each head's V ([..., heads, d]):
+    MH, AttentionX's Φ, belief's Δ, or belief_star's [Δ, Δ^s] ([..., heads * d], twice
+    that for belief_star). `residual` is VARIANTS' second entry; `fused` compiles the
+    projections (see _steps)."""
+    if residual == "mh":
+        return h.flatten(-2)
+    if residual == "attentionx":
+        return consensus_discrepancy(h, v_heads, gamma).flatten(-2)
+    delta = global_orthogonal_residual(h.flatten(-2), v_heads.flatten(-2), shard_sum, fused)
+    if residual == "belief":
+        return delta
+    return torch.cat((delta, per_head_orthogonal_residual(h, v_heads, fused).flatten(-2)), -1)

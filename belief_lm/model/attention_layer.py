@@ -28,18 +28,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from belief_lm import attention as family
+from belief_lm.attention import VARIANTS
 from belief_lm.parallel.collectives import tensor_parallel_sum
-
-# model.attention -> (how H is computed, which residual signal feeds the output projection)
-VARIANTS: dict[str, tuple[str, str]] = {
-    "softmax": ("softmax", "mh"),
-    "belief": ("softmax", "belief"),
-    "belief_star": ("softmax", "belief_star"),
-    "attentionx": ("softmax", "attentionx"),
-    "attention_bn": ("bn", "mh"),
-    "attention_sh": ("sh", "mh"),
-    "attention_bn_sh": ("bn_sh", "mh"),
-}
 
 
 class FamilyCoreAttention(MegatronModule):
@@ -76,6 +66,7 @@ class FamilyCoreAttention(MegatronModule):
         self.gamma, self.beta, self.fused = gamma, beta, fused
         tp_group = pg_collection.tp if pg_collection is not None else None
         self.shard_sum = tensor_parallel_sum(tp_group)
+        self.local_head_scales: list[int] = []
         if self.mixing in ("sh", "bn_sh"):
             tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
             tp_rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
@@ -98,59 +89,21 @@ class FamilyCoreAttention(MegatronModule):
                 "FamilyCoreAttention is causal-only: masks/bias/packed seqs unsupported"
             )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        if self.mixing in ("sh", "bn_sh"):
-            h = self._scaled_heads(q, _heads_from_groups(k, q), _heads_from_groups(v, q))
-        else:
-            h = self._attend(q, k, v, scale=1)
-        h = h.permute(2, 0, 1, 3)  # [s, b, heads, d]
-        v_heads = _heads_from_groups(value, query, dim=2)  # V_m of each head's KV group
+        h = family.attention_heads(
+            q,
+            k,
+            v,
+            self.mixing,
+            beta=self.beta,
+            head_scales=self.local_head_scales,
+            softmax_scale=self.softmax_scale,
+        ).permute(2, 0, 1, 3)  # [s, b, heads, d]
+        v_heads = family.heads_from_groups(value, query.shape[2], dim=2)  # V_m of each head
         if self.capture is not None:
             self.capture.update(mh=h.flatten(2).detach(), v=v_heads.flatten(2).detach())
-        if self.residual == "mh":
-            return h.flatten(2)
-        if self.residual == "attentionx":
-            return family.consensus_discrepancy(h, v_heads, self.gamma).flatten(2)
-        delta = family.global_orthogonal_residual(
-            h.flatten(2), v_heads.flatten(2), self.shard_sum, self.fused
+        return family.residual_signal(
+            h, v_heads, self.residual, self.gamma, self.shard_sum, self.fused
         )
-        if self.residual == "belief":
-            return delta
-        return torch.cat(
-            (delta, family.per_head_orthogonal_residual(h, v_heads, self.fused).flatten(2)), -1
-        )
-
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, scale: int) -> Tensor:
-        """softmax(q k^T) v for [b, heads, s, d] tensors; keys pooled by `scale`; queries
-        recentred by the mean of the keys each may see when the variant is Attention-BN."""
-        seq_len = q.shape[2]
-        if scale > 1:
-            k, v = family.causal_pool(k, scale, dim=2), family.causal_pool(v, scale, dim=2)
-        if self.mixing in ("bn", "bn_sh"):
-            mean = family.causal_mean(k, dim=2)  # over slots/keys 0..b
-            if scale > 1:
-                mean = mean[:, :, torch.arange(seq_len, device=q.device) // scale]
-            q = family.recentred_queries(q, _heads_from_groups(mean, q), self.beta)
-        if scale == 1:
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True
-            )
-        mask = family.pooled_causal_mask(seq_len, scale, device=q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
-
-    def _scaled_heads(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Attention-SH: each group of heads sharing a scale attends to its pooled keys."""
-        out = torch.empty_like(q)
-        for scale in sorted(set(self.local_head_scales)):
-            idx = [i for i, s in enumerate(self.local_head_scales) if s == scale]
-            out[:, idx] = self._attend(q[:, idx], k[:, idx], v[:, idx], scale)
-        return out
-
-
-def _heads_from_groups(kv: Tensor, q: Tensor, dim: int = 1) -> Tensor:
-    """Repeat KV groups so each query head has its own copy (megatron and SDPA's GQA order:
-    query heads g*r .. g*r+r-1 share group g)."""
-    repeats = q.shape[dim] // kv.shape[dim]
-    return kv if repeats == 1 else kv.repeat_interleave(repeats, dim=dim)
 
 
 class BeliefStarProjection(RowParallelLinear):
