@@ -26,3 +26,49 @@ def single_process_group():
 def cache_dir(tmp_path_factory):
     """One tokenizer cache for the session: the embedded tokenizer is trained once."""
     return str(tmp_path_factory.mktemp("cache"))
+
+
+SMALL_VOCAB, SMALL_EMBEDDING_ROWS = 400, 512
+"""The small tokenizer's pieces, and the embedding rows of small models (padded past it)."""
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer(tmp_path_factory):
+    """A 400-piece sentencepiece model (byte fallback, as training makes them) trained in a
+    fraction of a second on Python's help() topics."""
+    from pydoc_data.topics import topics
+
+    from data_pipeline.tokenizer import train_tokenizer
+
+    texts = [topics[name] for name in sorted(topics)]
+    return train_tokenizer(texts, SMALL_VOCAB, tmp_path_factory.mktemp("tokenizer") / "400.model")
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
+    """Factory: a checkpoint step directory holding a seeded random BeliefLM with the
+    small tokenizer, laid out as a one-process `belief-lm train` saves it. Keyword
+    arguments are ModelConfig fields over a 2-layer, width-32, 16-token model."""
+    import dataclasses
+    import json
+    import shutil
+
+    from belief_lm.checkpoint.store import CheckpointInfo
+    from belief_lm.config import Config
+    from belief_lm.model.gpt import BeliefLM
+
+    def make(seed: int = 0, **model):
+        small = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
+        small |= {"ffn_hidden_size": 48, "seq_length": 16, "init_std": 0.3}
+        cfg = Config.model_validate({"model": small | model, "run": {"seed": seed}})
+        step = tmp_path_factory.mktemp("run") / "checkpoints" / "step_000001"
+        step.mkdir(parents=True)
+        lm = BeliefLM(cfg.model, SMALL_EMBEDDING_ROWS, seed=seed)
+        torch.save({"module": lm.state_dict()}, step / "mp_rank_00_model_states.pt")
+        (step / "config.yaml").write_text(cfg.to_yaml())
+        shutil.copyfile(small_tokenizer.path, step / "tokenizer.model")
+        info = CheckpointInfo(1, 0, 1, 1, 1, 1, SMALL_EMBEDDING_ROWS)
+        (step / "run.json").write_text(json.dumps(dataclasses.asdict(info)))
+        return step
+
+    return make

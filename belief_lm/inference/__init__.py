@@ -1,0 +1,1 @@
+"""Inference on a trained checkpoint: loading it in one process, sampling, generation."""

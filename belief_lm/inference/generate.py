@@ -1,0 +1,96 @@
+"""Text generation with our own model: next-token sampling and the decoding loop.
+
+Sampling follows the usual order: temperature, then top-k, then top-p (nucleus), then a
+draw; temperature 0 is greedy decoding (argmax). There is no KV cache: every step runs the
+model over the whole (cropped) context, which is exact for every attention variant
+(Attention-BN's running key mean and Attention-SH's pooled slots would need their own
+caches) and fast enough for the small models this runs on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen."""
+
+    temperature: float = 1.0
+    """Divides the logits; 0 means greedy (argmax)."""
+    top_k: int | None = None
+    """Keep only the k most likely tokens; None: all."""
+    top_p: float | None = None
+    """Keep the smallest set of most likely tokens whose probability reaches p; None: all."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top-k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """`logits` [..., vocab] with every token outside the top-k / top-p set at -inf."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        # scatter the k best rather than compare with the k-th value: ties keep exactly k
+        values, indices = logits.topk(top_k, dim=-1)
+        logits = torch.full_like(logits, -torch.inf).scatter(-1, indices, values)
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # a token stays if the tokens ranked above it have not reached p yet (the first
+        # always stays): the smallest prefix whose probability reaches p
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
+        logits = torch.empty_like(logits).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def next_token(
+    logits: Tensor, sampling: Sampling, generator: torch.Generator | None = None
+) -> Tensor:
+    """One token id per row of `logits` [batch, vocab] (int64 [batch])."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    logits = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    *,
+    context_length: int,
+    vocab_size: int,
+    eos_id: int | None = None,
+    seed: int = 0,
+) -> list[int]:
+    """Continue `prompt` (token ids) with at most `max_new_tokens` ids, stopping before EOS.
+
+    `model` maps tokens [batch, seq] to logits [seq, batch, vocab'] (BeliefLM); it sees
+    at most the last `context_length` tokens. Logits past `vocab_size` (the tokenizer's
+    vocabulary; the embedding is padded beyond it) are never chosen. The same seed gives
+    the same tokens.
+    """
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        context = torch.tensor([ids[-context_length:]], device=device)
+        logits = model(context)[-1, :, :vocab_size]
+        token = int(next_token(logits, sampling, generator))  # host sync: one id per step
+        if token == eos_id:
+            break
+        ids.append(token)
+    return ids[len(prompt) :]

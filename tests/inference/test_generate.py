@@ -1,0 +1,117 @@
+"""Sampling rules and the decoding loop (on a bigram stand-in and on a real checkpoint)."""
+
+import pytest
+import torch
+
+from belief_lm.inference.generate import Sampling, filter_logits, generate, next_token
+
+VOCAB = 50
+
+
+def random_logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def draws(logits: torch.Tensor, sampling: Sampling, n: int = 2000) -> set[int]:
+    generator = torch.Generator().manual_seed(0)
+    return {int(next_token(logits, sampling, generator)) for _ in range(n)}
+
+
+def test_greedy_picks_the_argmax():
+    logits = random_logits(8)
+    torch.testing.assert_close(next_token(logits, Sampling(temperature=0)), logits.argmax(-1))
+
+
+def test_top_k_never_picks_outside_the_k_best():
+    logits = random_logits()
+    best = set(logits[0].topk(5).indices.tolist())
+    seen = draws(logits, Sampling(temperature=2.0, top_k=5))
+    assert seen <= best and len(seen) > 1
+
+
+def test_top_k_keeps_exactly_k_among_ties():
+    assert filter_logits(torch.zeros(1, VOCAB), top_k=3).isfinite().sum() == 3
+
+
+@pytest.mark.parametrize(
+    ("p", "kept"), [(0.3, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2}), (1.0, {0, 1, 2, 3})]
+)
+def test_top_p_keeps_the_smallest_set_reaching_p(p, kept):
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()[:, torch.tensor([2, 0, 3, 1])]
+    order = [1, 3, 0, 2]  # token ids by falling probability (0.5, 0.3, 0.15, 0.05)
+    expected = {order[i] for i in kept}
+    assert set(filter_logits(logits, top_p=p).isfinite().nonzero()[:, 1].tolist()) == expected
+    assert draws(logits, Sampling(top_p=p), n=500) == expected
+
+
+@pytest.mark.parametrize(
+    "bad", [{"temperature": -1.0}, {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}]
+)
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        Sampling(**bad)
+
+
+class Bigram(torch.nn.Module):
+    """Logits [seq, batch, vocab] from the previous token only; records what it was fed."""
+
+    def __init__(self, vocab: int = VOCAB):
+        super().__init__()
+        self.table = torch.nn.Parameter(
+            torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(1))
+        )
+        self.contexts: list[list[int]] = []
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.contexts.append(tokens[0].tolist())
+        return self.table[tokens].transpose(0, 1)
+
+
+def run(model, prompt=(5, 6, 7), n=20, sampling=None, **kwargs):
+    options = {"context_length": 8, "vocab_size": VOCAB, "seed": 0} | kwargs
+    return generate(model, list(prompt), n, sampling or Sampling(), **options)
+
+
+def test_same_seed_same_tokens_and_another_seed_differs():
+    model = Bigram()
+    assert run(model) == run(model)
+    assert run(model) != run(model, seed=1)
+
+
+def test_context_is_cropped_to_the_last_tokens():
+    model = Bigram()
+    new = run(model, n=12)
+    full = [5, 6, 7, *new]
+    assert len(new) == 12
+    for step, context in enumerate(model.contexts):
+        assert context == full[: 3 + step][-8:]
+
+
+def test_greedy_follows_the_argmax_chain_and_stops_before_eos():
+    model = Bigram()
+    with torch.no_grad():
+        for token, successor in [(7, 9), (9, 11), (11, 13), (13, 2)]:
+            model.table[token, successor] = 100.0
+    assert run(model, sampling=Sampling(temperature=0), eos_id=2) == [9, 11, 13]
+
+
+def test_ids_past_the_tokenizer_vocabulary_are_never_generated():
+    model = Bigram()
+    with torch.no_grad():
+        model.table[:, 40:] += 100.0  # the padded rows would win every time
+    assert max(run(model, vocab_size=40, n=30)) < 40
+
+
+def test_real_checkpoint_generates_reproducibly(make_checkpoint):
+    from belief_lm.inference.load import load_model
+
+    loaded = load_model(make_checkpoint(attention="belief_star"), device="cpu")
+    prompt = loaded.tokenizer.encode("The for statement")
+    options = {"context_length": loaded.context_length, "vocab_size": loaded.tokenizer.vocab_size}
+    sampled = [generate(loaded.model, prompt, 24, Sampling(top_k=20, top_p=0.9), **options)
+               for _ in range(2)]  # fmt: skip
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 24  # longer than the 16-token context
+    greedy = generate(loaded.model, prompt, 4, Sampling(temperature=0), **options)
+    with torch.no_grad():
+        first = loaded.model(torch.tensor([prompt]))[-1, 0, : options["vocab_size"]].argmax()
+    assert greedy[0] == int(first)
