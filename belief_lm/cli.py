@@ -7,6 +7,9 @@
     belief-lm evaluate --checkpoint DIR [--data SOURCE] [--tensor N] [--batches N] [--output F]
     belief-lm launch local|slurm [--dry-run] --config ... [section.key=value ...]
         local: torchrun on this machine; slurm: render slurm/pretrain.sbatch and sbatch it
+    belief-lm generate --checkpoint STEP_DIR --prompt TEXT [--max-new-tokens N]
+                       [--temperature T (0: greedy)] [--top-k K] [--top-p P] [--seed S]
+    belief-lm export --checkpoint STEP_DIR --format hf|torch --output PATH
 
 Exit codes: 0 done; 1 failed while running; 2 bad command line, config, data or
 checkpoint (nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint
@@ -25,6 +28,7 @@ import warnings
 from pathlib import Path
 
 from belief_lm.config import ConfigError, load_config
+from belief_lm.export import FORMATS
 from launcher.env import LaunchEnvError, detect
 
 
@@ -72,7 +76,33 @@ def _parser() -> argparse.ArgumentParser:
             "--dry-run", action="store_true", help="print the command or script, run nothing"
         )
         _config_arguments(sub)
+    _generate_arguments(commands)
+    help_text = "export a checkpoint: a Hugging Face transformers folder or one torch file"
+    sub = commands.add_parser("export", help=help_text, description=help_text)
+    _checkpoint_argument(sub)
+    sub.add_argument("--format", required=True, choices=FORMATS, help="hf: a folder; torch: a file")
+    sub.add_argument("--output", "-o", required=True, help="path to create (must not exist)")
     return parser
+
+
+def _generate_arguments(commands) -> None:
+    help_text = "continue a prompt with a trained checkpoint (greedy, top-k or top-p sampling)"
+    sub = commands.add_parser("generate", help=help_text, description=help_text)
+    _checkpoint_argument(sub)
+    sub.add_argument("--prompt", "-p", required=True, help="text to continue")
+    sub.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens")
+    sub.add_argument("--temperature", type=float, default=1.0, help="0: greedy (argmax)")
+    sub.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    sub.add_argument("--top-p", type=float, help="sample among the most likely tokens up to p")
+    sub.add_argument("--seed", type=int, default=0, help="same seed, same text")
+    sub.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if present)")
+
+
+def _checkpoint_argument(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--checkpoint", required=True, metavar="STEP_DIR",
+        help="a checkpoint step directory, e.g. runs/tiny/checkpoints/step_000300",
+    )  # fmt: skip
 
 
 def _config_arguments(sub: argparse.ArgumentParser) -> None:
@@ -90,9 +120,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     taken from what it leaves over (`a=1 --resume never b=2`)."""
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    stray = [x for x in rest if x.startswith("-") or "=" not in x]
+    takes_overrides = hasattr(args, "overrides")
+    stray = [x for x in rest if x.startswith("-") or "=" not in x or not takes_overrides]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if not takes_overrides:
+        return args
     args.overrides = [*args.overrides, *rest]
     if getattr(args, "resume", None):
         args.overrides.append(f"checkpoint.resume={args.resume}")
@@ -103,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.command == "evaluate":
         return _evaluate(args)
+    if args.command in ("generate", "export"):
+        return _from_checkpoint(args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -127,6 +162,54 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # bad config, data or checkpoint, found before the work
         print(f"belief-lm: {err}", file=sys.stderr)
         return 2
+
+
+def _from_checkpoint(args: argparse.Namespace) -> int:
+    """generate / export: everything is checked (arguments, then the checkpoint) before the
+    work, and a problem found there exits with 2."""
+    _quiet_libraries()
+    try:
+        if args.command == "export":
+            from belief_lm.export import export
+
+            output = export(args.checkpoint, args.format, args.output)
+            logging.getLogger("belief_lm").info("exported %s to %s", args.checkpoint, output)
+            return 0
+        from belief_lm.inference.generate import Sampling
+        from belief_lm.inference.load import load_model
+
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        if args.max_new_tokens < 0:
+            raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+        loaded = load_model(args.checkpoint, args.device)
+        prompt = loaded.tokenizer.encode(args.prompt)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+    except ValueError as err:
+        print(f"belief-lm: {err}", file=sys.stderr)
+        return 2
+    _generate(loaded, prompt, sampling, args)
+    return 0
+
+
+def _generate(loaded, prompt: list[int], sampling, args: argparse.Namespace) -> None:
+    """Print the prompt and its continuation; tokens/s to the log."""
+    import time
+
+    from belief_lm.inference.generate import generate
+
+    start = time.perf_counter()
+    new = generate(
+        loaded.model, prompt, args.max_new_tokens, sampling,
+        context_length=loaded.context_length, vocab_size=loaded.tokenizer.vocab_size,
+        eos_id=loaded.tokenizer.eos_id, seed=args.seed,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    print(loaded.tokenizer.decode(prompt + new))
+    logging.getLogger("belief_lm").info(
+        "%d new tokens in %.2f s (%.1f tokens/s)%s", len(new), seconds, len(new) / seconds,
+        "" if len(new) == args.max_new_tokens else ", stopped at EOS",
+    )  # fmt: skip
 
 
 def _train(cfg) -> int:

@@ -6,6 +6,7 @@ import os
 import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports deepspeed
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers / lm-eval: local files only
 warnings.filterwarnings("ignore")
 
 import pytest  # noqa: E402

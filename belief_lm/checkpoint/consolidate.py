@@ -74,9 +74,10 @@ def consolidate(path: str | Path) -> Consolidated:
 def _weights(path: Path, info: CheckpointInfo, config: Config) -> dict[str, torch.Tensor]:
     single = info.tensor == 1 and info.pipeline == 1
     if single and info.zero_stage < 3:
-        state = torch.load(
-            path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
-        )
+        weights = path / "mp_rank_00_model_states.pt"
+        if not weights.is_file():
+            raise CheckpointError(f"checkpoint {path} has no {weights.name}")
+        state = torch.load(weights, map_location="cpu", weights_only=False)
         return {k: v.float() for k, v in state["module"].items() if not k.endswith("_extra_state")}
     if info.zero_stage in (1, 2):
         universal = path.with_name(f"{path.name}-universal")

@@ -115,3 +115,40 @@ def test_real_checkpoint_generates_reproducibly(make_checkpoint):
     with torch.no_grad():
         first = loaded.model(torch.tensor([prompt]))[-1, 0, : options["vocab_size"]].argmax()
     assert greedy[0] == int(first)
+
+
+def test_generate_command_prints_the_greedy_continuation(make_checkpoint):
+    from test_cli import belief_lm  # the CLI as a subprocess, as tests/test_cli.py runs it
+
+    from belief_lm.inference.load import load_model
+
+    checkpoint = make_checkpoint(attention="belief")
+    out = belief_lm(
+        "generate", "--checkpoint", str(checkpoint), "--prompt", "The for statement",
+        "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu", timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = load_model(checkpoint, device="cpu")
+    prompt = loaded.tokenizer.encode("The for statement")
+    new = generate(
+        loaded.model, prompt, 6, Sampling(temperature=0), context_length=16,
+        vocab_size=loaded.tokenizer.vocab_size, eos_id=loaded.tokenizer.eos_id,
+    )  # fmt: skip
+    assert out.stdout == loaded.tokenizer.decode(prompt + new) + "\n"
+    assert "new tokens in" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--top-p", "1.5"], "top-p must be in (0, 1], got 1.5"),
+        (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+        (["--prompt", ""], "the prompt is empty"),
+    ],
+)
+def test_generate_command_refuses_bad_input_with_2(make_checkpoint, capsys, args, message):
+    from belief_lm.cli import main
+
+    command = ["generate", "--checkpoint", str(make_checkpoint()), "--prompt", "x", *args]
+    assert main(command) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,42 @@
+"""Export a checkpoint for use outside belief-lm: a Hugging Face transformers folder
+(`hf.py`) or one torch file (`torch_file.py`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+FORMATS = ("hf", "torch")
+
+
+def export(checkpoint: str | Path, fmt: str, output: str | Path) -> Path:
+    """Export checkpoint directory `checkpoint` in format `fmt` ('hf': a folder, 'torch': a
+    file) to `output`, which must not exist yet. Written under a temporary name and renamed
+    at the end, so `output` is never left half-written. Returns `output`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(FORMATS)})")
+    output = Path(output).expanduser()
+    if output.exists():
+        raise ValueError(f"{output} already exists: export to a new path")
+    if not output.parent.is_dir():
+        raise ValueError(f"{output.parent} is not a directory")
+    from belief_lm.checkpoint.consolidate import consolidate  # megatron: after the checks
+
+    consolidated = consolidate(checkpoint)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    try:
+        if fmt == "hf":
+            from belief_lm.export.hf import export_hf
+
+            export_hf(consolidated, tmp)
+            os.replace(tmp, output)
+        else:
+            from belief_lm.export.torch_file import export_torch
+
+            export_torch(consolidated, tmp / "model.pt")
+            os.replace(tmp / "model.pt", output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output

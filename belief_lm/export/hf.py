@@ -1,0 +1,156 @@
+"""Export a checkpoint as a Hugging Face transformers model folder.
+
+    OUT/config.json                 BeliefLMConfig, with auto_map to the shipped code
+    OUT/generation_config.json      EOS/BOS/PAD ids; no KV cache
+    OUT/model.safetensors           fp32 weights under transformers-style names
+    OUT/configuration_belief_lm.py  \
+    OUT/modeling_belief_lm.py        > the model in plain PyTorch (hf_template/)
+    OUT/belief_attention.py         /  (a copy of belief_lm/attention.py: the variants' math)
+    OUT/tokenization_belief_lm.py, tokenizer.model, tokenizer_config.json
+
+Loads with AutoModelForCausalLM / AutoTokenizer .from_pretrained(OUT, trust_remote_code=True)
+and needs neither belief-lm nor megatron. Weights are renamed and split from megatron's
+layout: the fused QKV is grouped per KV group as [q heads of the group..., k, v], and a
+SwiGLU fc1 holds [gate; up].
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+from torch import Tensor
+
+from belief_lm import attention
+from belief_lm.checkpoint.consolidate import Consolidated
+from belief_lm.config import ModelConfig
+from data_pipeline.tokenizer import Tokenizer
+
+TEMPLATE = Path(__file__).with_name("hf_template")
+SHIPPED_CODE = {
+    "configuration_belief_lm.py": TEMPLATE / "configuration_belief_lm.py",
+    "modeling_belief_lm.py": TEMPLATE / "modeling_belief_lm.py",
+    "tokenization_belief_lm.py": TEMPLATE / "tokenization_belief_lm.py",
+    "belief_attention.py": Path(attention.__file__),
+}
+
+# megatron module (under the model / under a layer) -> transformers module; QKV and a
+# SwiGLU fc1 are split instead (see hf_state_dict)
+TOP_LEVEL = {
+    "embedding.word_embeddings": "model.embed_tokens",
+    "embedding.position_embeddings": "model.embed_positions",
+    "final_norm": "model.norm",
+    "output_layer": "lm_head",
+}
+IN_LAYER = {
+    "input_layernorm": "input_layernorm",
+    "pre_mlp_layernorm": "post_attention_layernorm",
+    "self_attention.linear_proj": "self_attn.o_proj",
+    "self_attention.linear_proj.w_s": "self_attn.s_proj",
+    "mlp.linear_fc1": "mlp.up_proj",
+    "mlp.linear_fc2": "mlp.down_proj",
+}
+
+
+def hf_config(model: ModelConfig, vocab_size: int, tokenizer: Tokenizer) -> dict:
+    """config.json for `model` (BeliefLMConfig's fields, auto_map to the shipped code)."""
+    return {
+        "architectures": ["BeliefLMForCausalLM"],
+        "model_type": "belief_lm",
+        "auto_map": {
+            "AutoConfig": "configuration_belief_lm.BeliefLMConfig",
+            "AutoModelForCausalLM": "modeling_belief_lm.BeliefLMForCausalLM",
+        },
+        "vocab_size": vocab_size,
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
+        "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
+        "max_position_embeddings": model.seq_length,
+        "normalization": model.normalization,
+        "norm_epsilon": model.norm_epsilon,
+        "activation": model.activation,
+        "position_embedding": model.position_embedding,
+        "rotary_base": model.rotary_base,
+        "bias": model.bias,
+        "attention": model.attention,
+        "gamma": model.gamma,
+        "beta": model.beta,
+        "head_scales": model.head_scales,
+        "tie_word_embeddings": model.tie_embeddings,
+        "use_cache": False,
+        "torch_dtype": "float32",
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id,
+    }
+
+
+def split_qkv(fused: Tensor, heads: int, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """megatron's fused QKV weight or bias (rows grouped per KV group as [q of the group's
+    heads..., k, v]) as separate q [heads*d], k [groups*d], v [groups*d] rows."""
+    head_dim = fused.shape[0] // (heads + 2 * groups)
+    per_group = heads // groups
+    grouped = fused.reshape(groups, (per_group + 2) * head_dim, *fused.shape[1:])
+    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return tuple(x.reshape(-1, *fused.shape[1:]) for x in (q, k, v))
+
+
+def hf_state_dict(state: dict[str, Tensor], model: ModelConfig) -> dict[str, Tensor]:
+    """BeliefLM's whole tensors under the shipped model's names (contiguous copies)."""
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
+    out: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        module, leaf = name.rsplit(".", 1)
+        layer = re.fullmatch(r"layers\.(\d+)\.(.+)", module)
+        if layer is None:
+            out[f"{_rename(TOP_LEVEL, module, name)}.{leaf}"] = tensor
+            continue
+        prefix, module = f"model.layers.{layer[1]}.", layer[2]
+        if module == "self_attention.linear_qkv":
+            for proj, part in zip("qkv", split_qkv(tensor, heads, groups), strict=True):
+                out[f"{prefix}self_attn.{proj}_proj.{leaf}"] = part
+        elif module == "mlp.linear_fc1" and model.activation == "swiglu":
+            gate, up = tensor.chunk(2, dim=0)
+            out[f"{prefix}mlp.gate_proj.{leaf}"], out[f"{prefix}mlp.up_proj.{leaf}"] = gate, up
+        else:
+            out[f"{prefix}{_rename(IN_LAYER, module, name)}.{leaf}"] = tensor
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def _rename(table: dict[str, str], module: str, name: str) -> str:
+    if module not in table:
+        raise ValueError(f"no Hugging Face name for checkpoint tensor {name}")
+    return table[module]
+
+
+def export_hf(checkpoint: Consolidated, output: Path) -> None:
+    """Write the transformers folder for `checkpoint` into `output` (an empty directory)."""
+    model, tokenizer = checkpoint.config.model, Tokenizer(checkpoint.tokenizer_path)
+    config = hf_config(model, checkpoint.info.vocab_size, tokenizer)
+    _write_json(output / "config.json", config)
+    # the embedding is padded past the tokenizer's vocabulary: never generate those ids
+    padding = list(range(tokenizer.vocab_size, checkpoint.info.vocab_size))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    generation["use_cache"] = False
+    if padding:
+        generation["suppress_tokens"] = padding
+    _write_json(output / "generation_config.json", generation)
+    weights = hf_state_dict(checkpoint.state_dict, model)
+    save_file(weights, output / "model.safetensors", metadata={"format": "pt"})
+    for name, source in SHIPPED_CODE.items():
+        shutil.copyfile(source, output / name)
+    shutil.copyfile(tokenizer.path, output / "tokenizer.model")
+    _write_json(output / "tokenizer_config.json", {
+        "tokenizer_class": "BeliefLMTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_belief_lm.BeliefLMTokenizer", None]},
+    })  # fmt: skip
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")

@@ -1,0 +1,197 @@
+"""A belief-lm model as a Hugging Face transformers causal LM, in plain PyTorch.
+
+Shipped with exported weights (load with trust_remote_code=True); needs only torch and
+transformers. `belief_attention.py` beside it is belief-lm's own attention math, copied
+at export, so the variants compute exactly what training computed.
+
+The layout is belief-lm's (megatron-core's): token (+ learned position) embedding, pre-norm
+decoder layers x += attn(norm(x)); x += mlp(norm(x)), a final norm and a tied or untied
+head. RoPE is megatron's non-interleaved form (rotate the two halves of each head).
+Attention is always causal over the whole input: no padding masks and no KV cache, so
+`generate` recomputes the context at each step (use_cache=False) and crops it to the last
+max_position_embeddings tokens, as belief-lm's own generator does.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+from .belief_attention import VARIANTS, attention_heads, heads_from_groups, residual_signal
+from .configuration_belief_lm import BeliefLMConfig
+
+
+def norm(config: BeliefLMConfig) -> nn.Module:
+    cls = nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm
+    return cls(config.hidden_size, eps=config.norm_epsilon)
+
+
+def rotary_angles(seq_len: int, dim: int, base: float, device: torch.device) -> Tensor:
+    """Angles [seq, dim] in the non-interleaved layout: the same frequencies for both halves."""
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    return torch.cat((angles, angles), dim=-1)
+
+
+def apply_rotary(x: Tensor, angles: Tensor) -> Tensor:
+    """x [b, heads, s, d] rotated by angles [s, d]: x cos + rotate_half(x) sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * angles.cos() + torch.cat((-x2, x1), dim=-1) * angles.sin()
+
+
+class BeliefLMAttention(nn.Module):
+    """Q, K, V projections (GQA), the variant's core and the output projection(s)."""
+
+    def __init__(self, config: BeliefLMConfig):
+        super().__init__()
+        self.config = config
+        self.mixing, self.residual = VARIANTS[config.attention]
+        self.heads, self.groups = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.hidden_size // self.heads
+        width, bias = config.hidden_size, config.bias
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(width, self.groups * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(width, self.groups * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, width, bias=bias)  # W^o
+        if self.residual == "belief_star":
+            self.s_proj = nn.Linear(self.heads * self.head_dim, width, bias=False)  # W^s
+
+    def forward(self, x: Tensor, angles: Tensor | None) -> Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
+        if angles is not None:
+            q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        c = self.config
+        h = attention_heads(q, k, v, self.mixing, beta=c.beta, head_scales=c.head_scales)
+        v_heads = heads_from_groups(v, self.heads)
+        signal = residual_signal(h.transpose(1, 2), v_heads.transpose(1, 2), self.residual, c.gamma)
+        if self.residual != "belief_star":
+            return self.o_proj(signal)
+        delta, delta_s = signal.chunk(2, dim=-1)
+        return self.o_proj(delta) + self.s_proj(delta_s)
+
+
+class BeliefLMMLP(nn.Module):
+    """up -> GELU -> down, or SwiGLU: down(silu(gate) * up)."""
+
+    def __init__(self, config: BeliefLMConfig):
+        super().__init__()
+        width, inner, bias = config.hidden_size, config.intermediate_size, config.bias
+        self.swiglu = config.activation == "swiglu"
+        if self.swiglu:
+            self.gate_proj = nn.Linear(width, inner, bias=bias)
+        self.up_proj = nn.Linear(width, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, width, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class BeliefLMDecoderLayer(nn.Module):
+    def __init__(self, config: BeliefLMConfig):
+        super().__init__()
+        self.input_layernorm = norm(config)
+        self.self_attn = BeliefLMAttention(config)
+        self.post_attention_layernorm = norm(config)
+        self.mlp = BeliefLMMLP(config)
+
+    def forward(self, x: Tensor, angles: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), angles)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class BeliefLMPreTrainedModel(PreTrainedModel):
+    config_class = BeliefLMConfig
+    base_model_prefix = "model"
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Only used for weights a checkpoint lacks (training happens in belief-lm)."""
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+class BeliefLMModel(BeliefLMPreTrainedModel):
+    """Embeddings, decoder layers and the final norm: hidden states [b, s, hidden]."""
+
+    def __init__(self, config: BeliefLMConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.position_embedding == "learned_absolute":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = nn.ModuleList(
+            BeliefLMDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = norm(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        seq_len, c = input_ids.shape[1], self.config
+        x = self.embed_tokens(input_ids)
+        angles = None
+        if c.position_embedding == "learned_absolute":
+            if seq_len > c.max_position_embeddings:
+                raise ValueError(
+                    f"{seq_len} tokens exceed the {c.max_position_embeddings} learned positions"
+                )
+            x = x + self.embed_positions(torch.arange(seq_len, device=input_ids.device))
+        else:
+            angles = rotary_angles(seq_len, c.hidden_size // c.num_attention_heads,
+                                   c.rotary_base, input_ids.device)  # fmt: skip
+        for layer in self.layers:
+            x = layer(x, angles)
+        return self.norm(x)
+
+
+class BeliefLMForCausalLM(BeliefLMPreTrainedModel, GenerationMixin):
+    """BeliefLMModel and the LM head (the token embedding when tied)."""
+
+    def __init__(self, config: BeliefLMConfig):
+        super().__init__(config)
+        self.model = BeliefLMModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return None if self.config.tie_word_embeddings else self.lm_head
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        **unused,
+    ) -> CausalLMOutput:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("belief-lm attends causally to every token: padding is unsupported")
+        hidden = self.model(input_ids)
+        if self.config.tie_word_embeddings:
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:  # labels are the inputs (shifted here), as in transformers
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids: Tensor, **unused) -> dict:
+        """The whole context every step (no KV cache), cropped to the trained length."""
+        return {"input_ids": input_ids[:, -self.config.max_position_embeddings :]}
