@@ -9,6 +9,7 @@ caches) and fast enough for the small models this runs on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +74,10 @@ def generate(
     vocab_size: int,
     eos_id: int | None = None,
     seed: int = 0,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
-    """Continue `prompt` (token ids) with at most `max_new_tokens` ids, stopping before EOS.
+    """Continue `prompt` (token ids) with at most `max_new_tokens` ids, stopping before EOS
+    or once `stop(new ids so far)` is true (e.g. a stop string was decoded).
 
     `model` maps tokens [batch, seq] to logits [seq, batch, vocab'] (BeliefLM); it sees
     at most the last `context_length` tokens. Logits past `vocab_size` (the tokenizer's
@@ -93,4 +96,6 @@ def generate(
         if token == eos_id:
             break
         ids.append(token)
+        if stop is not None and stop(ids[len(prompt) :]):
+            break
     return ids[len(prompt) :]

@@ -95,6 +95,11 @@ def test_greedy_follows_the_argmax_chain_and_stops_before_eos():
     assert run(model, sampling=Sampling(temperature=0), eos_id=2) == [9, 11, 13]
 
 
+def test_a_stop_condition_ends_generation_after_the_token_that_met_it():
+    new = run(Bigram(), stop=lambda ids: len(ids) == 3)
+    assert new == run(Bigram(), n=3)
+
+
 def test_ids_past_the_tokenizer_vocabulary_are_never_generated():
     model = Bigram()
     with torch.no_grad():
