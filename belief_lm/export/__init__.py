@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 FORMATS = ("hf", "torch")
@@ -25,12 +24,15 @@ def export(checkpoint: str | Path, fmt: str, output: str | Path) -> Path:
     from belief_lm.checkpoint.consolidate import consolidate  # megatron: after the checks
 
     consolidated = consolidate(checkpoint)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
         if fmt == "hf":
             from belief_lm.export.hf import export_hf
 
             export_hf(consolidated, tmp)
+            _umask_permissions(tmp)
             os.replace(tmp, output)
         else:
             from belief_lm.export.torch_file import export_torch
@@ -40,3 +42,12 @@ def export(checkpoint: str | Path, fmt: str, output: str | Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return output
+
+
+def _umask_permissions(folder: Path) -> None:
+    """Give the files the permissions any new file gets (safetensors makes its file
+    readable by the owner only, which would surprise whoever the export is shared with)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)

@@ -106,9 +106,14 @@ def test_transformers_greedy_generate_equals_ours(make_checkpoint, tmp_path, arc
         loaded.model, prompt, 12, Sampling(temperature=0), context_length=16,
         vocab_size=loaded.tokenizer.vocab_size, eos_id=2,
     )  # fmt: skip
-    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    prompt_ids = torch.tensor([prompt])
+    theirs = hf.generate(
+        prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=12, do_sample=False
+    )
     assert ours == without_eos(theirs[0, len(prompt) :].tolist())
     assert len(set(ours)) > 2, ours  # a real sequence, not one token repeated
+    with pytest.raises(ValueError, match="padding is unsupported"):
+        hf(prompt_ids, attention_mask=torch.zeros_like(prompt_ids))
 
 
 def test_real_checkpoint_loads_without_belief_lm(trained_checkpoint, tmp_path):
@@ -125,10 +130,11 @@ for name in ("belief_lm", "data_pipeline", "launcher", "megatron", "deepspeed"):
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
 tokenizer = AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)
-prompt = tokenizer("The import statement")["input_ids"]
+inputs = tokenizer("The import statement", return_tensors="pt")
+prompt = inputs["input_ids"][0].tolist()
 with torch.no_grad():
     logits = model(torch.tensor({ids.tolist()})).logits
-    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    greedy = model.generate(**inputs, max_new_tokens=8, do_sample=False)
 torch.save({{"logits": logits, "prompt": prompt, "greedy": greedy[0, len(prompt):].tolist(),
             "ids": tokenizer({TEXTS!r})["input_ids"]}}, {str(results)!r})
 """

@@ -192,6 +192,10 @@ class BeliefLMForCausalLM(BeliefLMPreTrainedModel, GenerationMixin):
             )
         return CausalLMOutput(loss=loss, logits=logits)
 
-    def prepare_inputs_for_generation(self, input_ids: Tensor, **unused) -> dict:
+    def prepare_inputs_for_generation(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs
+    ) -> dict:
         """The whole context every step (no KV cache), cropped to the trained length."""
-        return {"input_ids": input_ids[:, -self.config.max_position_embeddings :]}
+        keep = slice(-self.config.max_position_embeddings, None)
+        mask = None if attention_mask is None else attention_mask[:, keep]
+        return {"input_ids": input_ids[:, keep], "attention_mask": mask}
