@@ -83,6 +83,17 @@ def test_variants_differ_far_beyond_the_tolerance(single_process_group, arch):
             assert a == b or (logits[a] - logits[b]).abs().max() > 1e-2, (a, b)
 
 
+def test_runs_in_bfloat16(make_checkpoint, tmp_path):
+    checkpoint = make_checkpoint(seed=3, attention="belief_star", **LLAMA_LIKE)
+    _, hf = hf_export(checkpoint, tmp_path)
+    ids = tokens(16)
+    with torch.no_grad():
+        full = hf(ids).logits
+        half = hf.to(torch.bfloat16)(ids).logits
+    assert half.dtype == torch.bfloat16
+    assert (half.float() - full).abs().max() < 0.05 * full.abs().max()
+
+
 def test_tokenizer_matches_ours(make_checkpoint, small_tokenizer, tmp_path):
     from transformers import AutoTokenizer
 

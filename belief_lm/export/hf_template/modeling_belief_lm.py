@@ -35,9 +35,11 @@ def rotary_angles(seq_len: int, dim: int, base: float, device: torch.device) -> 
 
 
 def apply_rotary(x: Tensor, angles: Tensor) -> Tensor:
-    """x [b, heads, s, d] rotated by angles [s, d]: x cos + rotate_half(x) sin."""
+    """x [b, heads, s, d] rotated by angles [s, d]: x cos + rotate_half(x) sin (cos and sin
+    in x's dtype, as megatron applies them)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * angles.cos() + torch.cat((-x2, x1), dim=-1) * angles.sin()
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class BeliefLMAttention(nn.Module):
