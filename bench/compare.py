@@ -45,7 +45,10 @@ def train_one(variant: str, seed: int, args, run_dir: Path) -> list[dict]:
         "run.log_interval=1", "run.tensorboard=false", "checkpoint.resume=never",
         "checkpoint.save_at_end=false", *args.overrides,
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ})
+    # a fresh job: no rendezvous variables inherited from whatever started the harness
+    rendezvous = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} seed {seed} failed:\n{done.stderr[-3000:]}")
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
