@@ -5,13 +5,15 @@
         --model configs/model/gpt2-124m.yaml --batch 8          # GPU
 
 Times the whole model (embedding, layers, head, loss, backward) with torch.utils.benchmark
-on identical inputs; writes JSON to bench/results/.
+on identical inputs, the variants interleaved over several rounds; writes JSON to
+bench/results/.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,7 +47,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--min-run-time", type=float, default=5.0, help="seconds per variant")
+    parser.add_argument("--rounds", type=int, default=5, help="turns of every variant")
+    parser.add_argument(
+        "--min-run-time", type=float, default=1.0, help="seconds per variant per round"
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument(
         "--fused", action="store_true", help="model.fused_projections=true (torch.compile)"
@@ -66,7 +71,7 @@ def main() -> None:
     tokens = torch.randint(0, args.vocab, shape, generator=gen).to(device)
     labels = torch.randint(0, args.vocab, shape, generator=gen).to(device)
 
-    rows = {}
+    timers, parameters = {}, {}
     for variant in dict.fromkeys(["softmax", *args.variants]):  # softmax is the baseline
         cfg = model_cfg.model_copy(update={"attention": variant})
         model = BeliefLM(cfg, args.vocab).to(device=device, dtype=dtype)
@@ -75,16 +80,25 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
             model(tokens, labels).backward()
 
-        timer = benchmark.Timer(
+        timers[variant] = benchmark.Timer(
             "step()", globals={"step": step}, num_threads=torch.get_num_threads()
         )
-        timer.timeit(2)  # warm-up (allocator, kernels)
-        measured = timer.adaptive_autorange(min_run_time=args.min_run_time)
+        timers[variant].timeit(2)  # warm-up (allocator, kernels, compilation)
+        parameters[variant] = count_parameters(model)
+    # Variants take turns, round after round, so that a slow spell of the machine hits all
+    # of them alike; each variant's number is the median over all its timed steps.
+    times = {variant: [] for variant in timers}
+    for _ in range(args.rounds):
+        for variant, timer in timers.items():
+            times[variant] += timer.blocked_autorange(min_run_time=args.min_run_time).times
+    rows = {}
+    for variant, samples in times.items():
+        quartiles = statistics.quantiles(samples, n=4)
         rows[variant] = {
-            "median_ms": measured.median * 1e3,
-            "iqr_ms": measured.iqr * 1e3,
-            "runs": len(measured.times),
-            "parameters": count_parameters(model),
+            "median_ms": statistics.median(samples) * 1e3,
+            "iqr_ms": (quartiles[2] - quartiles[0]) * 1e3,
+            "runs": len(samples),
+            "parameters": parameters[variant],
         }
         print(f"{variant:16s} {rows[variant]['median_ms']:9.2f} ms", flush=True)
     base = rows["softmax"]["median_ms"]
@@ -100,6 +114,7 @@ def main() -> None:
         "vocab": args.vocab,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
         "variants": rows,
     }
     print("wrote", write_result(out, result, device))

@@ -40,7 +40,8 @@ def run(tp: int, variant: str, args, overrides: list[str]) -> list[float]:
             f"--nproc_per_node={tp}", "-m", "belief_lm.cli", "train", "--config", args.model,
             f"model.attention={variant}", f"parallel.tensor={tp}", f"run.device={args.device}",
             f"train.max_steps={args.steps}", "run.log_interval=1", "run.tensorboard=false",
-            f"run.output_dir={out}", *overrides,
+            f"run.output_dir={out}", "checkpoint.save_at_end=false", "checkpoint.resume=never",
+            *overrides,
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // tp))}
         subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=3600)
@@ -54,22 +55,29 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every configuration")
     parser.add_argument("--warmup", type=int, default=5, help="logged steps to ignore")
     parser.add_argument("--out", default=None)
     parser.add_argument("overrides", nargs="*", help="config overrides (default: a CPU size)")
     args = parser.parse_args()
     overrides = args.overrides or (CPU_MODEL if args.device == "cpu" else [])
 
+    # Layouts and variants take turns, round after round, so that a slow spell of the
+    # machine hits all of them alike; each number is the median over all its steps.
+    times = {(tp, v): [] for tp in args.tp for v in VARIANTS}
+    for _ in range(args.rounds):
+        for tp, variant in times:
+            times[(tp, variant)] += run(tp, variant, args, overrides)
     layouts = {}
     for tp in args.tp:
         rows = {}
         for variant in VARIANTS:
-            times = run(tp, variant, args, overrides)
-            rows[variant] = {"median_step_s": statistics.median(times), "steps": len(times),
-                             "min_step_s": min(times), "max_step_s": max(times)}  # fmt: skip
-            print(
-                f"TP={tp} {variant:12s} {rows[variant]['median_step_s'] * 1e3:8.1f} ms", flush=True
-            )
+            samples = times[(tp, variant)]
+            rows[variant] = {
+                "median_step_s": statistics.median(samples), "steps": len(samples),
+                "min_step_s": min(samples), "max_step_s": max(samples),
+            }  # fmt: skip
+            print(f"TP={tp} {variant:12s} {rows[variant]['median_step_s'] * 1e3:8.1f} ms")
         base = rows["softmax"]["median_step_s"]
         for row in rows.values():
             row["relative_to_softmax"] = row["median_step_s"] / base
@@ -79,7 +87,7 @@ def main() -> None:
     result = {
         "benchmark": "median training step time (belief-lm train under torchrun) per variant",
         "config": args.model, "overrides": overrides, "steps": args.steps,
-        "warmup_logged_steps": args.warmup, "layouts": layouts,
+        "warmup_logged_steps": args.warmup, "rounds": args.rounds, "layouts": layouts,
     }  # fmt: skip
     print("wrote", write_result(out, result, device))
 
