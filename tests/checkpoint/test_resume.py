@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,12 +40,18 @@ def test_resume_is_bit_exact(tmp_path, cache_dir):
     )
     assert list(resumed.losses) == [5, 6, 7, 8]
     assert [resumed.losses[s] for s in (5, 6, 7, 8)] == [full.losses[s] for s in (5, 6, 7, 8)]
-    # auto-resume in the first run's directory: nothing left to do at step 8
-    again = train(config(tmp_path / "a", cache_dir, "train.max_steps=8"))
-    assert again.losses == {}
-    assert [p.name for p in sorted((tmp_path / "a" / "checkpoints").glob("step_*"))] == [
+    # the run directory moved elsewhere, auto-resume there: nothing left to do at step 8,
+    # and two more steps continue from step 8 like the run resumed from step 4
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "a", moved)
+    assert train(config(moved, cache_dir, "train.max_steps=8")).losses == {}
+    assert [p.name for p in sorted((moved / "checkpoints").glob("step_*"))] == [
         "step_000004", "step_000008",
     ]  # fmt: skip
+    longer = train(config(moved, cache_dir, "train.max_steps=10"))
+    further = train(config(tmp_path / "b", cache_dir, "train.max_steps=10"))
+    assert list(longer.losses) == [9, 10]
+    assert longer.losses == further.losses
 
 
 def test_incompatible_config_is_refused(tmp_path, cache_dir):

@@ -29,9 +29,10 @@ def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None
 
 
 def run_driver(
-    out_dir: Path, tp: int, pp: int, dp: int, zero: int, variants: list[str], *options: str
+    out_dir: Path, tp: int, pp: int, dp: int, zero: int | str, variants: list[str], *options: str
 ) -> Path:
-    """Run tests/parallel/driver.py at a layout; returns its output directory."""
+    """Run tests/parallel/driver.py at a layout (`zero`: a stage, or stages "1,2,3");
+    returns its output directory."""
     out_dir.mkdir(parents=True, exist_ok=True)
     result = torchrun(
         tp * pp * dp, "tests/parallel/driver.py", str(out_dir), str(tp), str(pp), str(zero),
@@ -55,6 +56,14 @@ def tp2(tmp_path_factory) -> Path:
     from belief_lm.model.attention_layer import VARIANTS
 
     return run_driver(tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, list(VARIANTS))
+
+
+@pytest.fixture(scope="session")
+def tp2_pp2_dp2(tmp_path_factory) -> Path:
+    """belief_star records at TP=2 x PP=2 x DP=2 (ZeRO-1), checkpointed after its last step
+    (8 processes: one run serves the equivalence and the change-of-layout tests)."""
+    out = tmp_path_factory.mktemp("tp2pp2dp2")
+    return run_driver(out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3")
 
 
 def load_run(out_dir: Path, variant: str, zero: int) -> dict:

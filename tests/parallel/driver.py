@@ -1,6 +1,6 @@
 """torchrun driver for the distributed equivalence tests (not a test file itself).
 
-    torchrun --nproc_per_node=N tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT[,VARIANT...]
+    torchrun --nproc_per_node=N tests/parallel/driver.py OUT TP PP ZERO[,ZERO..] VARIANT[,VARIANT..]
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --save-at K
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --resume CHECKPOINT
 
@@ -9,7 +9,7 @@ a few steps with train_step, on data that depends only on (step, global sequence
 so every layout sees the same global batch. Records on every rank: the global-batch loss
 of each step, the full gradient of every parameter just before each optimizer step
 (ZeRO fragments and TP shards gathered, pipeline names mapped to BeliefLM's), and the full
-parameters at the end. Writes OUT_DIR/<variant>-rank<r>.pt.
+parameters at the end. Writes OUT_DIR/<variant>-zero<stage>-rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -150,14 +150,16 @@ def run(
 
 
 def main() -> None:
-    out_dir, tp, pp, zero, variants = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
+    out_dir, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    zero_stages, variants = map(int, sys.argv[4].split(",")), sys.argv[5].split(",")
     options = dict(zip(sys.argv[6::2], sys.argv[7::2], strict=True))
     device = select_device("cpu")
     init_distributed(detect(), device, timeout_s=300)
     save_at = int(options["--save-at"]) if "--save-at" in options else None
-    for variant in variants.split(","):
-        steps = int(options.get("--steps", STEPS))
-        run(out_dir, tp, pp, zero, variant, save_at, options.get("--resume"), steps)
+    steps = int(options.get("--steps", STEPS))
+    for zero in zero_stages:  # one process group for all: start-up dominates on CPU
+        for variant in variants:
+            run(out_dir, tp, pp, zero, variant, save_at, options.get("--resume"), steps)
     dist.barrier()
 
 

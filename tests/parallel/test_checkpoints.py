@@ -67,11 +67,9 @@ def test_evaluate_on_another_layout(zero2_run, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def saved_8_ranks(tmp_path_factory):
-    """belief_star trained 3 steps at TP=2 x PP=2 x DP=2 (ZeRO-1) and checkpointed."""
-    out = tmp_path_factory.mktemp("tp2pp2dp2")
-    run_driver(out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3")
-    return out / "checkpoints" / "step_000003"
+def saved_8_ranks(tp2_pp2_dp2):
+    """belief_star trained 3 steps at TP=2 x PP=2 x DP=2 (ZeRO-1), checkpointed at step 3."""
+    return tp2_pp2_dp2 / "checkpoints" / "step_000003"
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 (run.seed) on the same global batches: losses, every gradient at every step, and the final
 weights, within fp32 tolerance."""
 
+from pathlib import Path
+
 import pytest
 
 from belief_lm.model.attention_layer import VARIANTS
@@ -18,12 +20,18 @@ def test_belief_star_tp2_pp2(reference, tmp_path):
     assert_equivalent(load_run(out, "belief_star", 1), load_run(reference, "belief_star", 1))
 
 
-def test_belief_star_tp2_pp2_dp2(reference, tmp_path):
-    out = run_driver(tmp_path, 2, 2, 2, 1, ["belief_star"])
-    assert_equivalent(load_run(out, "belief_star", 1), load_run(reference, "belief_star", 1))
+def test_belief_star_tp2_pp2_dp2(reference, tp2_pp2_dp2):
+    run = load_run(tp2_pp2_dp2, "belief_star", 1)
+    assert_equivalent(run, load_run(reference, "belief_star", 1))
+
+
+@pytest.fixture(scope="module")
+def zero_stages(tmp_path_factory) -> Path:
+    """belief_star at TP=2 x DP=2 under ZeRO-1, -2 and -3, one after another in one job."""
+    return run_driver(tmp_path_factory.mktemp("zero"), 2, 1, 2, "1,2,3", ["belief_star"])
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_zero_stages_tp2_dp2(reference, tmp_path, zero):
-    out = run_driver(tmp_path, 2, 1, 2, zero, ["belief_star"])
-    assert_equivalent(load_run(out, "belief_star", zero), load_run(reference, "belief_star", 1))
+def test_zero_stages_tp2_dp2(reference, zero_stages, zero):
+    run = load_run(zero_stages, "belief_star", zero)
+    assert_equivalent(run, load_run(reference, "belief_star", 1))
