@@ -28,7 +28,7 @@ def test_matches_direct_computation(single_process_group):
     attention.core_attention.capture = None
     mh, v = captured["mh"].double(), captured["v"].double()
     delta = mh - ((mh * v).sum(-1) / (v * v).sum(-1)).unsqueeze(-1) * v
-    wo = attention.linear_proj.weight.double()
+    wo = attention.linear_proj.weight.detach().double()
     expected_ratio = (delta.norm(dim=-1) / mh.norm(dim=-1)).mean()
     expected_cos = F.cosine_similarity(delta @ wo.T, x.double(), dim=-1).mean()
     expected_cos_mh = F.cosine_similarity(mh @ wo.T, x.double(), dim=-1).mean()
