@@ -9,7 +9,8 @@
 # Environment: VENV (default .venv), PYTHON (default python3), TORCH_VERSION (default
 # 2.13.0; "system": keep the torch that PYTHON already has, as in an NGC PyTorch image),
 # TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cu128 on a cluster whose default
-# index has the wrong CUDA build). Re-running is a no-op unless this script,
+# index has the wrong CUDA build; without it, a Linux machine without nvidia-smi gets the
+# CPU build). Re-running is a no-op unless this script,
 # pyproject.toml or the options changed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -55,9 +56,24 @@ pip_install --upgrade pip setuptools wheel
 if [[ $TORCH_VERSION == system ]]; then
   "$PY" -c "import torch" || { echo "setup.sh: TORCH_VERSION=system but $PYTHON has no torch" >&2; exit 1; }
 elif ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  pip_install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+  if [[ -n ${TORCH_INDEX_URL:-} ]]; then
+    pip_install "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
+  elif [[ $(uname -s) == Linux ]] && ! command -v nvidia-smi > /dev/null; then
+    # No NVIDIA GPU: PyPI's Linux torch is the multi-GB CUDA build, so ask for the CPU build
+    # (a wheel in pip's find-links, or PyTorch's CPU index) and fall back only if neither has it.
+    pip_install "torch==$TORCH_VERSION+cpu" --timeout 30 --retries 1 \
+      --extra-index-url https://download.pytorch.org/whl/cpu ||
+      { echo "setup.sh: no CPU build of torch $TORCH_VERSION reachable; installing PyPI's" \
+          "default build (with CUDA libraries, several GB)" >&2
+        pip_install "torch==$TORCH_VERSION"; }
+  else
+    pip_install "torch==$TORCH_VERSION"
+  fi
 fi
-"$PY" -c "import torch; print(f'torch=={torch.__version__}')" > "$VENV/torch-constraint.txt"
+# The distribution's version, not torch.__version__: PyPI's CUDA wheel is "2.13.0" while
+# its torch.__version__ says "2.13.0+cu130", and a constraint on the latter matches nothing.
+"$PY" -c "from importlib.metadata import version; print(f'torch=={version(\"torch\")}')" \
+  > "$VENV/torch-constraint.txt"
 export PIP_CONSTRAINT="$VENV/torch-constraint.txt"
 
 # 2. DeepSpeed: its setup imports torch, so no build isolation (which would fetch another
