@@ -60,9 +60,11 @@ elif ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != 
     pip_install "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
   elif [[ $(uname -s) == Linux ]] && ! command -v nvidia-smi > /dev/null; then
     # No NVIDIA GPU: PyPI's Linux torch is the multi-GB CUDA build, so ask for the CPU build
-    # (a wheel in pip's find-links, or PyTorch's CPU index) and fall back only if neither has it.
-    pip_install "torch==$TORCH_VERSION+cpu" --timeout 30 --retries 1 \
-      --extra-index-url https://download.pytorch.org/whl/cpu ||
+    # (from pip's own sources, e.g. a find-links wheel, else PyPI + PyTorch's CPU index) and
+    # fall back to PyPI's default build only if neither has it.
+    pip_install "torch==$TORCH_VERSION+cpu" 2> /dev/null ||
+      pip_install "torch==$TORCH_VERSION+cpu" --timeout 30 --retries 1 \
+        --extra-index-url https://download.pytorch.org/whl/cpu ||
       { echo "setup.sh: no CPU build of torch $TORCH_VERSION reachable; installing PyPI's" \
           "default build (with CUDA libraries, several GB)" >&2
         pip_install "torch==$TORCH_VERSION"; }
