@@ -19,6 +19,7 @@ checkpoint (nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a check
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -240,9 +241,11 @@ def _evaluate(args: argparse.Namespace) -> int:
     from belief_lm.evaluate import evaluate
 
     try:
-        result = evaluate(
-            args.checkpoint, args.data, args.tensor, args.batches, args.micro_batch_size
-        )
+        # stdout carries only the JSON: libraries' chatter (DeepSpeed prints) goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            result = evaluate(
+                args.checkpoint, args.data, args.tensor, args.batches, args.micro_batch_size
+            )
     except ValueError as err:  # a missing or unusable checkpoint or data source
         print(f"belief-lm: {err}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """The `belief-lm` command as users run it (a subprocess, with a timeout)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,6 +36,12 @@ def test_train_command(tmp_path, cache_dir):
     assert "done: 5 steps" in out.stderr
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [5]
+    # stdout of evaluate is the JSON alone, whatever the libraries print
+    out = belief_lm("evaluate", "--checkpoint", str(tmp_path / "checkpoints" / "step_000005"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["step"] == 5 and result["tokens"] > 0
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
 
 
 @pytest.mark.parametrize(
