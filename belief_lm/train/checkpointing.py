@@ -90,10 +90,11 @@ def _check_compatible(cfg: Config, path: Path) -> None:
         raise CheckpointError(f"checkpoint {path}: unreadable config.yaml ({err})") from None
     current = cfg.model_dump(mode="json")
     for section in ("model", "data"):
+        old = saved.get(section, {})
         differ = sorted(
-            f"{section}.{k} (checkpoint: {saved[section].get(k)!r}, now: {v!r})"
+            f"{section}.{k} (checkpoint: {old.get(k)!r}, now: {v!r})"
             for k, v in current[section].items()
-            if saved.get(section, {}).get(k) != v and k not in RUNTIME_ONLY
+            if old.get(k) != v and k not in RUNTIME_ONLY
         )
         if differ:
             raise CheckpointError(

@@ -152,7 +152,8 @@ class Run:
 
     def diagnose(self, step: int) -> None:
         """Belief diagnostics on this step's last micro-batch (training is not perturbed)."""
-        tokens, labels = self.micro_batches.last
+        # middle pipeline stages never read the data: they have no micro-batch (None)
+        tokens, labels = self.micro_batches.last or (None, None)
         stats = belief_diagnostics(self.trainee.engine, tokens, labels, self.trainee.pipelined)
         if self.metrics is not None:
             self.metrics.log(step, stats, prefix="belief", jsonl="diagnostics.jsonl")
@@ -220,7 +221,7 @@ def setup(cfg: Config) -> Run:
     return Run(
         cfg=cfg, layout=layout, run_dir=run_dir, tokenizer=tokenizer, vocab_size=vocab_size,
         trainee=trainee, data=data, micro_batches=TimedIterator(data),
-        meter=Meter(cfg, vocab_size, device, dist.get_world_size()), metrics=metrics,
+        meter=Meter(cfg, vocab_size, device, dist.get_world_size(), start), metrics=metrics,
         validation=validation, start=start,
         consumed=0 if plan is None else plan.info.consumed_tokens,
     )  # fmt: skip
@@ -290,12 +291,15 @@ class TimedIterator:
 class Meter:
     """Throughput, utilisation and memory over each logging interval."""
 
-    def __init__(self, cfg: Config, vocab_size: int, device: torch.device, world_size: int):
+    def __init__(
+        self, cfg: Config, vocab_size: int, device: torch.device, world_size: int, start: int
+    ):
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
         self.flops_per_step = flops_per_token(cfg.model, vocab_size) * self.tokens_per_step
         self.peak = peak_tflops(device, cfg.run.peak_tflops)
         self.device, self.world_size = device, world_size
-        self.last_time, self.last_step, self.last_wait = time.perf_counter(), 0, 0.0
+        # a resumed run's first interval starts at its checkpoint's step, not at 0
+        self.last_time, self.last_step, self.last_wait = time.perf_counter(), start, 0.0
 
     def scalars(
         self, step: int, loss: float, lr: float, trainee: Trainee, data: TimedIterator

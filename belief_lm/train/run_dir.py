@@ -21,8 +21,8 @@ def prepare_run_dir(cfg: Config, write: bool = True) -> Path:
 
 
 def drop_metrics_after(run_dir: Path, step: int) -> None:
-    """Keep only metrics.jsonl rows up to `step` (a resumed run logs the later ones again)."""
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
+    """Keep only the rows up to `step` in every per-step log (metrics.jsonl,
+    diagnostics.jsonl): a resumed run logs the later ones again."""
+    for path in run_dir.glob("*.jsonl"):
         rows = [r for r in path.read_text().splitlines() if json.loads(r)["step"] <= step]
         path.write_text("".join(f"{r}\n" for r in rows))
