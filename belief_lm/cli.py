@@ -58,14 +58,13 @@ def _parser() -> argparse.ArgumentParser:
     _config_arguments(sub)
     help_text = "validation loss and perplexity of a checkpoint (JSON), on any layout"
     sub = commands.add_parser("evaluate", help=help_text, description=help_text)
-    sub.add_argument("--checkpoint", required=True, help="a checkpoint directory (step_N)")
+    _checkpoint_argument(sub)
     sub.add_argument("--data", help="an evaluation source (all its documents; default: the "
                      "held-out split of the checkpoint's own sources)")  # fmt: skip
     sub.add_argument("--tensor", type=int, default=1, help="tensor-parallel size")
     sub.add_argument("--batches", type=int, default=50, help="micro-batches per data-parallel rank")
     sub.add_argument("--micro-batch-size", type=int, help="default: the checkpoint's")
     sub.add_argument("--output", "-o", help="also write the JSON here")
-    sub.set_defaults(config=None, overrides=[])
     launch = commands.add_parser("launch", help="start training: torchrun here, or a SLURM job")
     targets = launch.add_subparsers(dest="target", required=True, metavar="TARGET")
     for name, help_text in (

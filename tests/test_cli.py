@@ -68,6 +68,12 @@ def test_config_command_prints_the_effective_config():
     assert "attention: belief\n" in out.stdout and "num_layers: 4\n" in out.stdout
 
 
+def test_evaluate_refuses_config_overrides():
+    out = belief_lm("evaluate", "--checkpoint", "x", "model.seq_length=5")
+    assert out.returncode == 2
+    assert "unrecognized arguments: model.seq_length=5" in out.stderr
+
+
 @pytest.mark.parametrize("checkpoint", ["missing", "incomplete"])
 def test_evaluate_refuses_a_bad_checkpoint(tmp_path, checkpoint):
     path = tmp_path / "step_000010"

@@ -143,6 +143,8 @@ def save(
         _write_atomic(tmp / "run.json", json.dumps(asdict(info), indent=2))
         if final.exists():  # re-saving a step (e.g. resumed and stopped at once)
             shutil.rmtree(final)
+        # a universal copy converted from the old weights of this step would be reused
+        shutil.rmtree(final.with_name(f"{final.name}-universal"), ignore_errors=True)
         os.replace(tmp, final)
         _write_atomic(root / "latest", final.name)
         for old in complete_checkpoints(root)[:-keep]:

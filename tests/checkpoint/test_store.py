@@ -1,14 +1,17 @@
 """Finding the checkpoint to resume from: only complete ones, whatever a crash left."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from belief_lm.checkpoint.store import (
     CheckpointError,
+    CheckpointInfo,
     complete_checkpoints,
     newest_checkpoint,
     read_info,
+    save,
 )
 
 INFO = {
@@ -61,3 +64,23 @@ def test_read_info_names_the_problem(tmp_path):
     with pytest.raises(CheckpointError, match="marked incomplete"):
         read_info(make(tmp_path, 4, run_json=json.dumps({"step": 4, **INFO, "complete": False})))
     assert read_info(make(tmp_path, 5)).step == 5
+
+
+class FakeEngine:
+    """What save() asks of DeepSpeed's engine: write its files under root/tag."""
+
+    def save_checkpoint(self, root, tag, client_state, save_latest):
+        (Path(root) / tag).mkdir(parents=True, exist_ok=True)
+        (Path(root) / tag / "weights").write_text(str(client_state["weights"]))
+
+
+def test_resaving_a_step_replaces_it_and_drops_its_universal_copy(tmp_path, single_process_group):
+    info = CheckpointInfo(step=4, **INFO)
+    save(FakeEngine(), tmp_path, info, {}, {}, {"weights": "old"}, keep=3)
+    universal = tmp_path / "step_000004-universal"
+    universal.mkdir()  # converted from the old weights
+    (universal / "run.json").write_text("{}")
+    path = save(FakeEngine(), tmp_path, info, {}, {}, {"weights": "new"}, keep=3)
+    assert (path / "weights").read_text() == "new"
+    assert not universal.exists()
+    assert newest_checkpoint(tmp_path) == path
