@@ -13,6 +13,7 @@ import pytest
 
 from belief_lm.cli import main
 from launcher.slurm import REQUEUE_EXIT_CODE, TEMPLATE
+from tests.jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_RUN = [
@@ -175,7 +176,7 @@ def test_submit_without_sbatch_says_so(tmp_path, capsys, monkeypatch):
 def test_launch_local_trains_with_two_processes(tmp_path, cache_dir):
     """torchrun really starts 2 CPU ranks (gloo) that train together."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    out = subprocess.run(
+    out = run_job(
         [
             sys.executable,
             "-m",
@@ -194,11 +195,9 @@ def test_launch_local_trains_with_two_processes(tmp_path, cache_dir):
             f"run.output_dir={tmp_path}",
             f"run.cache_dir={cache_dir}",
         ],
+        timeout=240,
         cwd=ROOT,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     # torchrun started 2 processes, and exactly one of them logged each step: they formed

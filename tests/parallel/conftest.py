@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,9 +24,7 @@ def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(key, None)
-    return subprocess.run(
-        command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_job(command, timeout, cwd=ROOT, env=full_env)
 
 
 def run_driver(

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from tests.jobs import stop_job
 from tests.parallel.conftest import ROOT, torchrun
 
 
@@ -73,7 +74,6 @@ def test_killed_rank_ends_the_job(tmp_path, cache_dir):
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 300
@@ -95,4 +95,4 @@ def test_killed_rank_ends_the_job(tmp_path, cache_dir):
         assert time.monotonic() - killed_at < 60
     finally:
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+            stop_job(job)
