@@ -12,7 +12,23 @@ from pathlib import Path
 
 import torch
 
-from launcher.env import device_for
+
+def device_for(local_rank: int, choice: str = "auto") -> torch.device:
+    """This task's device: cuda:(local_rank mod visible GPUs), or cpu.
+
+    With the node's GPUs visible to every task (srun without per-task GPU binding) that is
+    cuda:local_rank; where SLURM binds one GPU per task the task sees one GPU, cuda:0.
+    """
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("run.device=cuda but torch sees no CUDA device")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """torch.distributed backend for a device: nccl on GPU, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:

@@ -1,6 +1,7 @@
 """Who am I in the job: rank, local rank, world size and rendezvous address, derived from
-the environment of whichever launcher started this process, and the device and
-torch.distributed backend that follow from it.
+the environment of whichever launcher started this process (without importing torch, so
+commands that only read configs start quickly; the device and backend that follow from the
+local rank are belief_lm.runtime's device_for / backend_for).
 
 Launchers, in order of precedence (torchrun inside a SLURM allocation is torchrun):
 - torchrun: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (GROUP_RANK: node).
@@ -21,8 +22,6 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
-
-import torch
 
 DEFAULT_PORT = 29500
 """torch.distributed's customary port, used when an MPI launch does not set MASTER_PORT."""
@@ -182,24 +181,6 @@ def _ranges(spec: str, nodelist: str, variable: str) -> list[str]:
         first, last = match[1], match[2] or match[1]
         out += [str(n).zfill(len(first)) for n in range(int(first), int(last) + 1)]
     return out
-
-
-def device_for(local_rank: int, choice: str = "auto") -> torch.device:
-    """This task's device: cuda:(local_rank mod visible GPUs), or cpu.
-
-    With the node's GPUs visible to every task (srun without per-task GPU binding) that is
-    cuda:local_rank; where SLURM binds one GPU per task the task sees one GPU, cuda:0.
-    """
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("run.device=cuda but torch sees no CUDA device")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def backend_for(device: torch.device) -> str:
-    """torch.distributed backend for a device: nccl on GPU, gloo on CPU."""
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def free_port() -> int:

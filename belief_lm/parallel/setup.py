@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from launcher.env import ProcessEnv, backend_for
+from belief_lm.runtime import backend_for
+from launcher.env import ProcessEnv
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from launcher.env import LaunchEnvError, backend_for, detect, device_for, expand_nodelist
+from belief_lm.runtime import backend_for, device_for
+from launcher.env import LaunchEnvError, detect, expand_nodelist
 
 TORCHRUN = {
     "RANK": "3",
