@@ -46,7 +46,8 @@ def run(tp: int, variant: str, args, overrides: list[str]) -> list[float]:
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // tp))}
         subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=3600)
         rows = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time_s"] for r in rows[args.warmup :]]
+    steps = [r for r in rows if "loss" in r]  # not the validation rows a config may add
+    return [r["step_time_s"] for r in steps[args.warmup :]]
 
 
 def main() -> None:

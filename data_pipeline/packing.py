@@ -36,7 +36,8 @@ class WindowPacker:
             yield tokens[start : start + self.window]
 
     def state_dict(self) -> dict:
-        # a tensor, not an array: checkpoints then load with torch.load's weights_only default
+        # a tensor, not an array: the loader's state then loads with torch.load(weights_only=True)
+        # (the trainer's rank state also holds numpy RNG state and loads with weights_only=False)
         return {"carry": torch.from_numpy(self.carry.copy())}
 
     def load_state_dict(self, state: dict) -> None:

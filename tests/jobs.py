@@ -20,10 +20,10 @@ def run_job(command: list[str], timeout: float, **options) -> subprocess.Complet
     """subprocess.run(command, capture_output=True, text=True) that, on timeout, stops the
     job with stop_job (subprocess.run's SIGKILL to torchrun alone leaves its ranks running)."""
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    with subprocess.Popen(command, **pipes, **options) as job:
-        try:
-            stdout, stderr = job.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop_job(job)
-            raise
+    job = subprocess.Popen(command, **pipes, **options)
+    try:
+        stdout, stderr = job.communicate(timeout=timeout)
+    except BaseException:  # the timeout, or pytest-timeout / Ctrl-C interrupting the wait
+        stop_job(job)
+        raise
     return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
