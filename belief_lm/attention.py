@@ -36,17 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# model.attention -> (how H is computed, which residual signal feeds the output projection)
-VARIANTS: dict[str, tuple[str, str]] = {
-    "softmax": ("softmax", "mh"),
-    "belief": ("softmax", "belief"),
-    "belief_star": ("softmax", "belief_star"),
-    "attentionx": ("softmax", "attentionx"),
-    "attention_bn": ("bn", "mh"),
-    "attention_sh": ("sh", "mh"),
-    "attention_bn_sh": ("bn_sh", "mh"),
-}
-
 ShardSum = Callable[[Tensor], Tensor]
 """Sums a tensor over the tensor-parallel ranks that hold the other heads (identity at TP=1).
 Its backward must also be a sum over ranks: every rank's output depends on the total."""
@@ -174,9 +163,10 @@ def attention_heads(
 ) -> Tensor:
     """Causal H for queries [b, heads, s, d] and keys/values [b, groups, s, d].
 
-    `mixing` is VARIANTS' first entry: plain softmax, Attention-BN (queries recentred by the
-    mean of the keys each may see), Attention-SH (head m attends to keys/values pooled by
-    `head_scales[m]`) or both. Softmax runs in torch SDPA (flash kernels on GPU).
+    `mixing` is VARIANTS' first entry (belief_lm/variants.py): plain softmax, Attention-BN
+    (queries recentred by the mean of the keys each may see), Attention-SH (head m attends
+    to keys/values pooled by `head_scales[m]`) or both. Softmax runs in torch SDPA (flash
+    kernels on GPU).
     """
     if mixing not in ("sh", "bn_sh"):
         return _attend(q, k, v, mixing, beta, 1, softmax_scale)

@@ -1,7 +1,8 @@
 """The `belief-lm` command.
 
     belief-lm train  --config configs/tiny.yaml [--resume auto|never|DIR] [section.key=value ...]
-    belief-lm config --config configs/tiny.yaml [section.key=value ...]   (print, validate)
+    belief-lm config --config configs/tiny.yaml [--world-size N] [section.key=value ...]
+        print the effective config; check it for N processes (default: launch's)
     belief-lm tokenizer train --config CONFIG --output MODEL [section.key=value ...]
     belief-lm prepare --config CONFIG --output DIR [--workers N] [section.key=value ...]
     belief-lm evaluate --checkpoint DIR [--data SOURCE] [--tensor N] [--batches N] [--output F]
@@ -11,26 +12,28 @@
                        [--temperature T (0: greedy)] [--top-k K] [--top-p P] [--seed S]
     belief-lm export --checkpoint STEP_DIR --format hf|torch --output PATH
 
-Exit codes: 0 done; 1 failed while running; 2 bad command line, config, data or
-checkpoint (nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint
-(requeue the job: it resumes from there).
+Exit codes (belief_lm/exit_codes.py): 0 done; 1 failed while running; 2 bad command line,
+config, data or checkpoint (nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a
+checkpoint (requeue the job: it resumes from there).
+
+This module parses, calls a library function and prints; the work is elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import shlex
 import sys
 import warnings
-from pathlib import Path
 
-from belief_lm.config import ConfigError, load_config
+from belief_lm import exit_codes
+from belief_lm.config import Config, ConfigError, load_config
 from belief_lm.export import FORMATS
-from launcher.env import LaunchEnvError, detect
+from belief_lm.parallel.env import LaunchEnvError, detect
+from belief_lm.preflight import preflight
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,8 +45,13 @@ def _parser() -> argparse.ArgumentParser:
         help="checkpoint to continue from (sets checkpoint.resume; default auto)",
     )  # fmt: skip
     _config_arguments(train)
-    help_text = "print the effective config (validates it)"
-    _config_arguments(commands.add_parser("config", help=help_text, description=help_text))
+    help_text = "print the effective config (validates it, and checks it for a job's size)"
+    sub = commands.add_parser("config", help=help_text, description=help_text)
+    sub.add_argument(
+        "--world-size", type=int, metavar="N",
+        help="processes of the job to check against (default: launch.nodes x tasks per node)",
+    )  # fmt: skip
+    _config_arguments(sub)
     tokenizer = commands.add_parser("tokenizer", help="tokenizer commands")
     tokenizer_commands = tokenizer.add_subparsers(dest="action", required=True, metavar="ACTION")
     help_text = "train a sentencepiece BPE tokenizer on a sample of data.sources"
@@ -95,7 +103,9 @@ def _generate_arguments(commands) -> None:
     sub.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     sub.add_argument("--top-p", type=float, help="sample among the most likely tokens up to p")
     sub.add_argument("--seed", type=int, default=0, help="same seed, same text")
-    sub.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda if present)")
+    sub.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda if present"
+    )
 
 
 def _checkpoint_argument(sub: argparse.ArgumentParser) -> None:
@@ -140,28 +150,26 @@ def main(argv: list[str] | None = None) -> int:
         return _from_checkpoint(args)
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"belief-lm: {err}", file=sys.stderr)
-        return 2
-    if args.command == "config":
-        print(cfg.to_yaml(), end="")
-        return 0
-    _quiet_libraries()
-    if args.command == "launch":
-        return _launch(args, cfg)
-    try:
+        if args.command == "config":
+            world_size = args.world_size or cfg.launch.world_size
+            preflight(cfg, world_size)  # checkpoint.resume included: what `train` would meet
+            print(cfg.to_yaml(), end="")
+            return exit_codes.DONE
+        _quiet_libraries()
+        if args.command == "launch":
+            return _launch(args, cfg)
         if args.command == "train":
             return _train(cfg)
-        from data_pipeline import commands  # heavy imports after the argument checks
+        from belief_lm import data_commands  # heavy imports after the argument checks
 
         if args.command == "tokenizer":
-            commands.tokenizer_train(cfg, args.output)
+            data_commands.tokenizer_train(cfg, args.output)
         else:
-            commands.prepare_source(cfg, args.output, args.workers, args.source)
-        return 0
-    except ValueError as err:  # bad config, data or checkpoint, found before the work
+            data_commands.prepare_source(cfg, args.output, args.workers, args.source)
+        return exit_codes.DONE
+    except (ConfigError, ValueError) as err:  # bad config, data or checkpoint: before work
         print(f"belief-lm: {err}", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
 
 
 def _from_checkpoint(args: argparse.Namespace) -> int:
@@ -174,56 +182,39 @@ def _from_checkpoint(args: argparse.Namespace) -> int:
 
             output = export(args.checkpoint, args.format, args.output)
             logging.getLogger("belief_lm").info("exported %s to %s", args.checkpoint, output)
-            return 0
+            return exit_codes.DONE
         from belief_lm.inference.generate import Sampling
         from belief_lm.inference.load import load_model
 
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
-        if args.max_new_tokens < 0:
+        if args.max_new_tokens < 0:  # before the checkpoint is loaded
             raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
         loaded = load_model(args.checkpoint, args.device)
-        prompt = loaded.tokenizer.encode(args.prompt)
-        if not prompt:
-            raise ValueError("the prompt is empty")
+        completion = loaded.complete(args.prompt, args.max_new_tokens, sampling, args.seed)
     except ValueError as err:
         print(f"belief-lm: {err}", file=sys.stderr)
-        return 2
-    _generate(loaded, prompt, sampling, args)
-    return 0
-
-
-def _generate(loaded, prompt: list[int], sampling, args: argparse.Namespace) -> None:
-    """Print the prompt and its continuation; tokens/s to the log."""
-    import time
-
-    from belief_lm.inference.generate import generate
-
-    start = time.perf_counter()
-    new = generate(
-        loaded.model, prompt, args.max_new_tokens, sampling,
-        context_length=loaded.context_length, vocab_size=loaded.tokenizer.vocab_size,
-        eos_id=loaded.tokenizer.eos_id, seed=args.seed,
-    )  # fmt: skip
-    seconds = time.perf_counter() - start
-    print(loaded.tokenizer.decode(prompt + new))
+        return exit_codes.BAD_INPUT
+    print(completion.text)
     logging.getLogger("belief_lm").info(
-        "%d new tokens in %.2f s (%.1f tokens/s)%s", len(new), seconds, len(new) / seconds,
-        "" if len(new) == args.max_new_tokens else ", stopped at EOS",
+        "%d new tokens in %.2f s (%.1f tokens/s)%s", completion.new_tokens, completion.seconds,
+        completion.new_tokens / completion.seconds,
+        ", stopped at EOS" if completion.stopped_at_eos else "",
     )  # fmt: skip
+    return exit_codes.DONE
 
 
-def _train(cfg) -> int:
+def _train(cfg: Config) -> int:
     from belief_lm.train.loop import NonFiniteLossError, train
-    from belief_lm.train.signals import PREEMPTED_EXIT_CODE, Preempted
+    from belief_lm.train.signals import Preempted
 
     try:
         result = train(cfg)
     except Preempted as stop:
-        logging.getLogger("belief_lm").warning("%s; exiting with %d", stop, PREEMPTED_EXIT_CODE)
-        return PREEMPTED_EXIT_CODE
+        logging.getLogger("belief_lm").warning("%s; exiting with %d", stop, exit_codes.PREEMPTED)
+        return exit_codes.PREEMPTED
     except NonFiniteLossError as err:
         print(f"belief-lm: {err}", file=sys.stderr)
-        return 1
+        return exit_codes.FAILED
     losses = list(result.losses.values())
     if losses:
         logging.getLogger("belief_lm").info(
@@ -232,12 +223,12 @@ def _train(cfg) -> int:
         )  # fmt: skip
     else:
         logging.getLogger("belief_lm").info("nothing to do: already at step %d", result.steps)
-    return 0
+    return exit_codes.DONE
 
 
 def _evaluate(args: argparse.Namespace) -> int:
     _quiet_libraries()
-    from belief_lm.evaluate import evaluate
+    from belief_lm.evaluate import evaluate, write_report
 
     try:
         # stdout carries only the JSON: libraries' chatter (DeepSpeed prints) goes to stderr
@@ -247,51 +238,39 @@ def _evaluate(args: argparse.Namespace) -> int:
             )
     except ValueError as err:  # a missing or unusable checkpoint or data source
         print(f"belief-lm: {err}", file=sys.stderr)
-        return 2
-    if detect().rank == 0:
-        text = json.dumps(result, indent=2)
+        return exit_codes.BAD_INPUT
+    text = write_report(result, args.output)  # None on ranks other than 0
+    if text is not None:
         print(text)
-        if args.output:
-            Path(args.output).write_text(text + "\n")
-    return 0
+    return exit_codes.DONE
 
 
-def _launch(args: argparse.Namespace, cfg) -> int:
-    """`launch local` execs torchrun; `launch slurm` renders the sbatch script and submits it."""
-    from belief_lm.parallel.setup import check_layout
-    from belief_lm.train.engine import grad_accumulation_steps
+def _launch(args: argparse.Namespace, cfg: Config) -> int:
+    """`launch local` execs torchrun; `launch slurm` renders the sbatch script and submits it.
+    Pre-flight runs here for the job's world size: a config `train` would refuse fails now,
+    not after the job waited in the queue."""
     from launcher import local, slurm
 
+    device_type = "cuda" if cfg.launch.gpus_per_node else "cpu"
+    preflight(cfg, cfg.launch.world_size, device_type)  # ValueError: main() exits 2
     train_args = [*(["--config", args.config] if args.config else []), *args.overrides]
-    try:
-        # The batch/layout checks need the world size, known here: fail now, not after
-        # the job waited in the queue.
-        world_size = cfg.launch.nodes * cfg.launch.tasks
-        grad_accumulation_steps(
-            cfg, check_layout(world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
-        )
-        if args.target == "local":
-            command = local.torchrun_command(cfg, train_args)
-        else:
-            script = slurm.render(cfg, train_args)
-    except ValueError as err:
-        print(f"belief-lm: {err}", file=sys.stderr)
-        return 2
     if args.target == "local":
+        command = local.torchrun_command(cfg, train_args)
         if args.dry_run:
             print(shlex.join(command))
-            return 0
+            return exit_codes.DONE
         os.execv(command[0], command)  # torchrun takes over this process (and its signals)
+    script = slurm.render(cfg, train_args)
     if args.dry_run:
         print(script, end="")
-        return 0
+        return exit_codes.DONE
     try:
         job_id, log_file = slurm.submit(cfg, script)
     except (OSError, RuntimeError) as err:
         print(f"belief-lm: {err}", file=sys.stderr)
-        return 1
+        return exit_codes.FAILED
     print(f"submitted job {job_id}; log: {log_file}")
-    return 0
+    return exit_codes.DONE
 
 
 def _quiet_libraries() -> None:

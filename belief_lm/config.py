@@ -14,38 +14,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 
-AttentionVariant = Literal[
-    "softmax",
-    "belief",
-    "belief_star",
-    "attentionx",
-    "attention_bn",
-    "attention_sh",
-    "attention_bn_sh",
-]
-PositiveInt = Annotated[int, Field(gt=0)]
+from belief_lm.variants import AttentionVariant
+from data_pipeline.config import DataConfig, PositiveInt, Section
 
 
 class ConfigError(ValueError):
     """A configuration problem, with the offending key in the message."""
-
-
-class Section(BaseModel):
-    """Base of every config section: strict keys, checked assignment, docstrings as docs."""
-
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
 
 
 class ModelConfig(Section):
@@ -105,7 +81,7 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
-        heads, groups = self.num_attention_heads, self.num_query_groups or self.num_attention_heads
+        heads, groups = self.num_attention_heads, self.query_groups
         if self.hidden_size % heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by "
@@ -123,90 +99,24 @@ class ModelConfig(Section):
         return self
 
     @property
+    def query_groups(self) -> int:
+        """Key/value heads, resolved: num_query_groups, or one per query head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """MLP width, resolved: ffn_hidden_size, or 4 x hidden_size."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
     def head_scales(self) -> list[int]:
         """Attention-SH scale of every head (sh_scales repeated)."""
         return self.sh_scales * (self.num_attention_heads // len(self.sh_scales))
-
-
-class SourceConfig(Section):
-    """One document source of the training mixture."""
-
-    uri: str
-    """Where documents come from: 'embedded' (documentation shipped with Python);
-    'hf:OWNER/NAME[:CONFIG]' (a Hugging Face hub dataset, streamed); a local path or glob of
-    .parquet, .jsonl[.gz|.zst] or .txt[.gz|.zst] files; 'prepared:DIR' (`belief-lm prepare`)."""
-    weight: float = Field(1.0, gt=0)
-    """Relative share of training windows (tokens) drawn from this source."""
-    name: str | None = None
-    """Hub dataset config (e.g. sample-10BT); overrides the URI's :CONFIG part."""
-    hub_split: str = "train"
-    """Split of the hub dataset to stream."""
-    format: Literal["auto", "parquet", "jsonl", "text"] = "auto"
-    """Format of local files; auto: from the extension."""
-    text_column: str = "text"
-    """Column (or JSON key) holding the document text."""
-    id_column: str | None = None
-    """Column holding a stable document id; None: a hash of the text."""
-    filters: list[str] = Field(default_factory=list)
-    """Row filters 'COLUMN OP VALUE' (OP one of == != < <= > >=), all must hold,
-    e.g. 'int_score >= 3'."""
-    text_unit: Literal["document", "paragraph", "line"] = "document"
-    """For text files: what one document is (a whole file, a blank-line paragraph, a line)."""
-
-    @field_validator("filters")
-    @classmethod
-    def _filters_parse(cls, value: list[str]) -> list[str]:
-        from data_pipeline.documents import parse_filter
-
-        for text in value:
-            parse_filter(text)
-        return value
-
-
-class TokenizerConfig(Section):
-    """The sentencepiece tokenizer."""
-
-    path: str | None = None
-    """A trained sentencepiece .model file; None: train one on the data sources (cached)."""
-    vocab_size: PositiveInt = 4096
-    """Vocabulary size when training a tokenizer."""
-    sample_documents: PositiveInt = 100_000
-    """Training documents read (split over the sources by weight) to train a tokenizer."""
-
-
-class DataConfig(Section):
-    """Where training tokens come from and how they are cut into windows."""
-
-    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(uri="embedded")])
-    """Document sources (a bare string is a source URI with weight 1)."""
-    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-    """Tokenizer settings."""
-    validation_fraction: float = Field(0.02, ge=0, le=1)
-    """Share of documents (by a hash of their id) held out for validation; 1 holds out
-    everything (an evaluation-only source)."""
-    seed: int = 1234
-    """Seed of the document order and of the mixture."""
-    num_workers: int = Field(1, ge=0)
-    """DataLoader worker processes per rank that read and tokenize; 0: in the training process."""
-    max_skipped_fraction: float = Field(0.01, ge=0, le=1)
-    """Stop with an error when more than this share of a source's rows is unusable
-    (corrupt, not UTF-8, empty)."""
-
-    @field_validator("sources", mode="before")
-    @classmethod
-    def _uri_strings(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [value]
-        if isinstance(value, list):
-            return [{"uri": v} if isinstance(v, str) else v for v in value]
-        return value
-
-    @field_validator("sources")
-    @classmethod
-    def _not_empty(cls, value: list[SourceConfig]) -> list[SourceConfig]:
-        if not value:
-            raise ValueError("at least one source is required")
-        return value
 
 
 class ParallelConfig(Section):
@@ -382,6 +292,11 @@ class LaunchConfig(Section):
     def tasks(self) -> int:
         """Processes per node, resolved."""
         return self.tasks_per_node or self.gpus_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the whole job: nodes x tasks per node."""
+        return self.nodes * self.tasks
 
 
 class Config(Section):

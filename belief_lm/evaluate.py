@@ -12,18 +12,18 @@ sources; with --data: every document of that source.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
-import torch.distributed as dist
-
-from belief_lm.checkpoint.consolidate import Consolidated, consolidate, load_full_state
-from belief_lm.config import SourceConfig
+from belief_lm.checkpoint.consolidate import consolidate, load_full_state
 from belief_lm.model.gpt import BeliefLM
+from belief_lm.parallel import env as process_env
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
 from belief_lm.runtime import select_device
 from belief_lm.train.validation import validation_batches, validation_loss
+from data_pipeline.config import SourceConfig
 from data_pipeline.tokenizer import Tokenizer
-from launcher import env as launcher_env
 
 
 def evaluate(
@@ -35,11 +35,11 @@ def evaluate(
     device: str = "auto",
 ) -> dict:
     """{'loss', 'perplexity', 'tokens', 'batches', 'step', ...}, the same on every rank."""
-    env = launcher_env.detect()
+    env = process_env.detect()
     torch_device = select_device(device, env.local_rank)
     init_distributed(env, torch_device)
     layout = init_model_parallel(tensor, 1)
-    ckpt = _consolidate_once(checkpoint)
+    ckpt = consolidate(checkpoint)  # rank 0 converts it first, if that is needed
     cfg = ckpt.config
     data = cfg.data
     if data_source is not None:  # a dedicated evaluation source: all of its documents
@@ -69,8 +69,12 @@ def evaluate(
     }
 
 
-def _consolidate_once(checkpoint: str) -> Consolidated:
-    """Rank 0 first (it may convert the checkpoint to the universal form), then the rest."""
-    result = consolidate(checkpoint) if dist.get_rank() == 0 else None
-    dist.barrier()
-    return result or consolidate(checkpoint)
+def write_report(result: dict, output: str | Path | None = None) -> str | None:
+    """The result as JSON text on rank 0 (also written to `output` if given); None on the
+    other ranks, which computed the same result."""
+    if process_env.detect().rank != 0:
+        return None
+    text = json.dumps(result, indent=2)
+    if output is not None:
+        Path(output).write_text(text + "\n")
+    return text

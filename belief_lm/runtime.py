@@ -1,4 +1,5 @@
-"""Process-level set-up shared by every command: device choice and the run's provenance."""
+"""Process-level set-up shared by every command: device choice, derived seeds and the run's
+provenance."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+
+SEED_STRIDE = 1_000_003
+"""A prime: seeds derived from run.seed for different parts never collide below it."""
+
+
+def derived_seed(seed: int, part: int) -> int:
+    """The seed of one part of a run (a model stage, a rank's RNG after a layout change):
+    reproducible from run.seed, distinct per part."""
+    return seed * SEED_STRIDE + part
 
 
 def device_for(local_rank: int, choice: str = "auto") -> torch.device:

@@ -23,12 +23,12 @@ import torch
 import torch.utils.benchmark as benchmark
 
 from belief_lm.config import load_config
-from belief_lm.model.attention_layer import VARIANTS
-from belief_lm.model.gpt import BeliefLM, count_parameters
-from belief_lm.parallel.setup import init_distributed, init_model_parallel
+from belief_lm.model.gpt import BeliefLM
+from belief_lm.parallel.gather import count_model_parameters
+from belief_lm.parallel.setup import single_process_groups
 from belief_lm.runtime import select_device
+from belief_lm.variants import VARIANTS
 from bench.common import write_result
-from launcher.env import detect
 
 SMALL_CPU_MODEL = [
     "model.num_layers=4",
@@ -63,8 +63,7 @@ def main() -> None:
     fused = ["model.fused_projections=true"] if args.fused else []
     model_cfg = load_config(args.model, [*overrides, *fused]).model
     device = select_device(args.device)
-    init_distributed(detect(), device)
-    init_model_parallel(1, 1)
+    single_process_groups()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     gen = torch.Generator().manual_seed(0)
     shape = (args.batch, model_cfg.seq_length)
@@ -84,7 +83,7 @@ def main() -> None:
             "step()", globals={"step": step}, num_threads=torch.get_num_threads()
         )
         timers[variant].timeit(2)  # warm-up (allocator, kernels, compilation)
-        parameters[variant] = count_parameters(model)
+        parameters[variant] = count_model_parameters(model)
     # Variants take turns, round after round, so that a slow spell of the machine hits all
     # of them alike; each variant's number is the median over all its timed steps.
     times = {variant: [] for variant in timers}

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from belief_lm.model.attention_layer import VARIANTS  # noqa: E402
+from belief_lm.variants import VARIANTS  # noqa: E402
 from bench.common import write_result  # noqa: E402
 
 

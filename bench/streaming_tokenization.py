@@ -32,9 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from belief_lm.config import DataConfig
-from belief_lm.train.data import build_tokenizer, build_train_data
 from bench.common import write_result
+from data_pipeline.build import build_tokenizer, build_train_data
+from data_pipeline.config import DataConfig
 from data_pipeline.embedded import embedded_documents
 from data_pipeline.stream import READ_BATCH
 

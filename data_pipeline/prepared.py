@@ -30,7 +30,7 @@ from data_pipeline.tokenizer import Tokenizer, encode_in_process, load_in_proces
 if TYPE_CHECKING:
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    from belief_lm.config import SourceConfig
+    from data_pipeline.config import SourceConfig
 
 # megatron.core is imported where it is used: it takes seconds, and only this path needs it.
 
@@ -183,13 +183,18 @@ class PreparedSource:
         """Its token count: a saved stream position is valid only for the same data."""
         return sum(self.meta.get(f"{split}_tokens", 0) for split in SPLITS)
 
+    def samples(self, split: str = "train") -> GPTDataset | None:
+        """megatron's GPTDataset of a split (None if the split is empty), as open() built it:
+        its samples, shuffle and document indices."""
+        if split not in self._datasets:
+            raise RuntimeError(f"{self!r}.open() was not called for the {split} split")
+        return self._datasets[split]
+
     def windows(
         self, tokenizer: Tokenizer | None, stream: int, num_streams: int, settings: StreamSettings
     ) -> PreparedWindows:
-        split = settings.split or "train"
-        if split not in self._datasets:
-            raise RuntimeError(f"{self!r}.open() was not called for the {split} split")
-        return PreparedWindows(self._datasets[split], stream, num_streams, settings)
+        samples = self.samples(settings.split or "train")
+        return PreparedWindows(samples, stream, num_streams, settings)
 
 
 class PreparedWindows:

@@ -36,7 +36,7 @@ from data_pipeline.stream import SourceWindows, StreamSettings
 from data_pipeline.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from belief_lm.config import SourceConfig
+    from data_pipeline.config import SourceConfig
 
 log = logging.getLogger(__name__)
 

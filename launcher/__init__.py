@@ -1,2 +1,3 @@
-"""How processes start: rank/world/master from the launcher's environment (torchrun, SLURM,
-MPI or a plain single process), and the launch commands built on it."""
+"""Job submission: `belief-lm launch local` (torchrun on this machine) and `launch slurm`
+(an sbatch script rendered from the run's `launch:` section). Where each process then
+finds its rank and peers is `belief_lm.parallel.env`."""

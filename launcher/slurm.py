@@ -1,5 +1,5 @@
-"""`belief-lm launch slurm`: render slurm/pretrain.sbatch from a run's `launch:` section and
-submit it with sbatch.
+"""`belief-lm launch slurm`: render the sbatch template (`launcher/pretrain.sbatch`, package
+data; `slurm/pretrain.sbatch` in a checkout) from a run's `launch:` section and submit it.
 
 Rendering replaces the template's #SBATCH lines and its settings block (between
 `# >>> settings` and `# <<< settings`); everything else runs as written, so a rendered
@@ -15,15 +15,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from belief_lm.train.signals import PREEMPTED_EXIT_CODE
-
 if TYPE_CHECKING:
     from belief_lm.config import Config
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "pretrain.sbatch"
-REQUEUE_EXIT_CODE = PREEMPTED_EXIT_CODE
-"""The trainer's exit code after it saved a checkpoint on SIGUSR1/SIGTERM (it wants to go
-on in a requeued job); the template requeues on it (a test checks the two agree)."""
+TEMPLATE = Path(__file__).with_name("pretrain.sbatch")
+"""Shipped inside the package, so an installed belief-lm (not only a checkout) finds it."""
 _SETTINGS = re.compile(r"^# >>> settings\n.*?^# <<< settings\n", re.M | re.S)
 
 

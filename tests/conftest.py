@@ -16,8 +16,8 @@ import torch  # noqa: E402
 @pytest.fixture(scope="session")
 def single_process_group():
     """torch.distributed (gloo, world size 1) and megatron's TP=PP=1 groups."""
+    from belief_lm.parallel.env import detect
     from belief_lm.parallel.setup import init_distributed, init_model_parallel
-    from launcher.env import detect
 
     init_distributed(detect({}), torch.device("cpu"))
     return init_model_parallel(1, 1)
@@ -27,6 +27,20 @@ def single_process_group():
 def cache_dir(tmp_path_factory):
     """One tokenizer cache for the session: the embedded tokenizer is trained once."""
     return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def tiny_config(tmp_path, cache_dir):
+    """Factory: the tests' small run (configs/test/micro.yaml) writing to tmp_path/run, with
+    the session's tokenizer cache, plus `overrides` (section.key=value)."""
+    from belief_lm.config import load_config
+    from tests.jobs import MICRO, ROOT
+
+    def make(*overrides: str):
+        run = [f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={cache_dir}"]
+        return load_config(ROOT / MICRO, [*run, *overrides])
+
+    return make
 
 
 SMALL_VOCAB, SMALL_EMBEDDING_ROWS = 400, 512
@@ -54,7 +68,7 @@ def make_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
     import json
     import shutil
 
-    from belief_lm.checkpoint.store import CheckpointInfo
+    from belief_lm.checkpoint.files import CheckpointInfo
     from belief_lm.config import Config
     from belief_lm.model.gpt import BeliefLM
 

@@ -1,8 +1,56 @@
-"""Subprocess jobs for tests, under a timeout that also stops torchrun's ranks."""
+"""Running belief-lm (and torchrun) as subprocesses from tests: one command line, one clean
+environment, always under a timeout that also stops torchrun's ranks."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = "configs/test/micro.yaml"
+"""The tests' small run config (relative to ROOT, where jobs start)."""
+RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def job_env(extra: dict | None = None) -> dict:
+    """This environment for a job: no rendezvous variables inherited (the job starts its
+    own world), DeepSpeed on the CPU, one OpenMP thread per rank, unbuffered output, and
+    this checkout first on the import path (not whatever belief_lm the venv resolves)."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+    path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    return {**env, **(extra or {})}
+
+
+def torchrun_command(nproc: int, *args: str) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=nproc args...` with this interpreter."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", *args,
+    ]  # fmt: skip
+
+
+def cli_command(*args: str, nproc: int = 1) -> list[str]:
+    """`belief-lm args...`: one process, or `nproc` ranks under torchrun."""
+    if nproc == 1:
+        return [sys.executable, "-m", "belief_lm.cli", *args]
+    return torchrun_command(nproc, "-m", "belief_lm.cli", *args)
+
+
+def run_cli(
+    *args: str, nproc: int = 1, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run `belief-lm args...` from the repository root to completion (text output)."""
+    return run_job(cli_command(*args, nproc=nproc), timeout, cwd=ROOT, env=job_env(env))
+
+
+def start_cli(*args: str, nproc: int = 1, env: dict | None = None, **popen) -> subprocess.Popen:
+    """Start `belief-lm args...` in the background (stdout discarded, stderr piped as text
+    unless `popen` says otherwise); stop it with stop_job."""
+    options = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "text": True, **popen}
+    return subprocess.Popen(cli_command(*args, nproc=nproc), cwd=ROOT, env=job_env(env), **options)
 
 
 def stop_job(job: subprocess.Popen) -> None:

@@ -2,23 +2,10 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-
-def belief_lm(*args, timeout=300):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("RANK", None)
-    return subprocess.run(
-        [sys.executable, "-m", "belief_lm.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+from tests.jobs import run_cli as belief_lm
 
 
 def test_train_command(tmp_path, cache_dir):

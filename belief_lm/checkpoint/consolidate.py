@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from belief_lm.checkpoint.store import CheckpointError, CheckpointInfo, read_info
-from belief_lm.checkpoint.universal import convert
+from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo, read_info
+from belief_lm.checkpoint.universal import ensure_universal
 from belief_lm.config import Config
 from belief_lm.model.gpt import BeliefLM
 
@@ -80,9 +80,7 @@ def _weights(path: Path, info: CheckpointInfo, config: Config) -> dict[str, torc
         state = torch.load(weights, map_location="cpu", weights_only=False)
         return {k: v.float() for k, v in state["module"].items() if not k.endswith("_extra_state")}
     if info.zero_stage in (1, 2):
-        universal = path.with_name(f"{path.name}-universal")
-        if not (universal / "run.json").exists():
-            convert(path, universal, config.model)
+        universal = ensure_universal(path, config.model)
         names = [n for n, _ in _meta_model(config, info).named_parameters()]
         return {
             name: torch.load(universal / "zero" / name / "fp32.pt", weights_only=False)["param"]

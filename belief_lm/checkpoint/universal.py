@@ -11,6 +11,7 @@ the other way round.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -19,9 +20,12 @@ from pathlib import Path
 
 from deepspeed.checkpoint import constants as ds
 
-from belief_lm.checkpoint.store import CheckpointError
+from belief_lm.checkpoint.files import CheckpointError, universal_path
 from belief_lm.config import ModelConfig
-from belief_lm.parallel.pipeline import TIED_KEY, canonical_name, pipeline_name
+from belief_lm.model.pipeline import TIED_KEY, canonical_name, pipeline_name
+from belief_lm.parallel.collectives import rank_zero_first
+
+log = logging.getLogger("belief_lm.checkpoint")
 
 
 def universal_info(model: ModelConfig) -> dict:
@@ -47,6 +51,20 @@ def universal_info(model: ModelConfig) -> dict:
     if model.tie_embeddings:  # the output stage's copy of a tied embedding is the first's
         info[ds.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [rf"^tied_modules\.{TIED_KEY}\."]
     return info
+
+
+def ensure_universal(checkpoint: Path, model: ModelConfig) -> Path:
+    """The universal form of `checkpoint` beside it (`files.universal_path`), converted by
+    rank 0 if it is not there yet while the other ranks wait. Collective when distributed."""
+    output = universal_path(checkpoint)
+
+    def convert_once() -> Path:
+        if not (output / "run.json").exists():
+            log.info("converting %s to the universal format", checkpoint)
+            convert(checkpoint, output, model)
+        return output
+
+    return rank_zero_first(convert_once)
 
 
 def convert(checkpoint: Path, output: Path, model: ModelConfig, workers: int = 2) -> Path:

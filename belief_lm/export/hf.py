@@ -5,7 +5,8 @@
     OUT/model.safetensors           fp32 weights under transformers-style names
     OUT/configuration_belief_lm.py  \
     OUT/modeling_belief_lm.py        > the model in plain PyTorch (hf_template/)
-    OUT/belief_attention.py         /  (a copy of belief_lm/attention.py: the variants' math)
+    OUT/belief_attention.py         |  (a copy of belief_lm/attention.py: the variants' math)
+    OUT/variants.py                /  (belief_lm/variants.py: the variants by name)
     OUT/tokenization_belief_lm.py, tokenizer.model, tokenizer_config.json
 
 Loads with AutoModelForCausalLM / AutoTokenizer .from_pretrained(OUT, trust_remote_code=True)
@@ -24,7 +25,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import Tensor
 
-from belief_lm import attention
+from belief_lm import attention, variants
 from belief_lm.checkpoint.consolidate import Consolidated
 from belief_lm.config import ModelConfig
 from data_pipeline.tokenizer import Tokenizer
@@ -35,6 +36,7 @@ SHIPPED_CODE = {
     "modeling_belief_lm.py": TEMPLATE / "modeling_belief_lm.py",
     "tokenization_belief_lm.py": TEMPLATE / "tokenization_belief_lm.py",
     "belief_attention.py": Path(attention.__file__),
+    "variants.py": Path(variants.__file__),
 }
 
 # megatron module (under the model / under a layer) -> transformers module; QKV and a
@@ -68,8 +70,8 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer: Tokenizer) -> dict
         "hidden_size": model.hidden_size,
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
-        "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
+        "num_key_value_heads": model.query_groups,
+        "intermediate_size": model.ffn_size,
         "max_position_embeddings": model.seq_length,
         "normalization": model.normalization,
         "norm_epsilon": model.norm_epsilon,
@@ -102,8 +104,7 @@ def split_qkv(fused: Tensor, heads: int, groups: int) -> tuple[Tensor, Tensor, T
 
 def hf_state_dict(state: dict[str, Tensor], model: ModelConfig) -> dict[str, Tensor]:
     """BeliefLM's whole tensors under the shipped model's names (contiguous copies)."""
-    heads = model.num_attention_heads
-    groups = model.num_query_groups or heads
+    heads, groups = model.num_attention_heads, model.query_groups
     out: dict[str, Tensor] = {}
     for name, tensor in state.items():
         module, leaf = name.rsplit(".", 1)

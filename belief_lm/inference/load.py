@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from belief_lm.checkpoint.consolidate import Consolidated, consolidate
+from belief_lm.inference.generate import Sampling, generate
 from belief_lm.model.gpt import BeliefLM
+from belief_lm.parallel.setup import single_process_groups
+from belief_lm.runtime import select_device
 from data_pipeline.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A prompt's continuation and how long it took."""
+
+    text: str
+    """The prompt and its continuation, decoded."""
+    new_tokens: int
+    seconds: float
+    stopped_at_eos: bool
 
 
 @dataclass
@@ -25,33 +38,29 @@ class LoadedModel:
         """Tokens the model sees at once (model.seq_length)."""
         return self.checkpoint.config.model.seq_length
 
-
-def single_process_groups() -> None:
-    """megatron's layers need process groups even in one process: a gloo group of world
-    size 1 (unless this process is already in one) and megatron's TP=PP=1 groups.
-
-    The group has an in-memory store (no port to find) and skips DeepSpeed's start-up,
-    which builds its CPU communication op every time (seconds to a minute here).
-    """
-    import torch.distributed as dist
-
-    from belief_lm.parallel.setup import init_model_parallel
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    init_model_parallel(1, 1)
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' is cuda when there is a GPU, else cpu."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    def complete(
+        self, prompt: str, max_new_tokens: int, sampling: Sampling, seed: int = 0
+    ) -> Completion:
+        """Continue the text `prompt` by at most `max_new_tokens` tokens (stopping at EOS)."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        start = time.perf_counter()
+        new = generate(
+            self.model, ids, max_new_tokens, sampling, context_length=self.context_length,
+            vocab_size=self.tokenizer.vocab_size, eos_id=self.tokenizer.eos_id, seed=seed,
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+        text = self.tokenizer.decode(ids + new)
+        return Completion(text, len(new), seconds, len(new) < max_new_tokens)
 
 
 def load_model(checkpoint: str | Path, device: str = "auto") -> LoadedModel:
-    """Consolidate `checkpoint` (a step directory) and build its model in eval mode (fp32)."""
+    """Consolidate `checkpoint` (a step directory) and build its model in eval mode (fp32)
+    on `device` ('auto': the GPU if there is one)."""
     consolidated = consolidate(checkpoint)
     single_process_groups()
-    model = consolidated.build_model().to(resolve_device(device))
+    model = consolidated.build_model().to(select_device(device))
     return LoadedModel(model, Tokenizer(consolidated.tokenizer_path), consolidated)

@@ -28,8 +28,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from belief_lm import attention as family
-from belief_lm.attention import VARIANTS
 from belief_lm.parallel.collectives import tensor_parallel_sum
+from belief_lm.variants import VARIANTS
 
 
 class FamilyCoreAttention(MegatronModule):

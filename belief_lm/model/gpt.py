@@ -36,6 +36,7 @@ from torch import Tensor
 
 from belief_lm.config import ModelConfig
 from belief_lm.model.attention_layer import BeliefStarProjection, core_attention_spec
+from belief_lm.runtime import derived_seed
 
 
 def transformer_config(cfg: ModelConfig, tensor_parallel: int = 1) -> TransformerConfig:
@@ -50,8 +51,8 @@ def transformer_config(cfg: ModelConfig, tensor_parallel: int = 1) -> Transforme
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
-        ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        num_query_groups=cfg.query_groups,
+        ffn_hidden_size=cfg.ffn_size,
         normalization=cfg.normalization,
         layernorm_epsilon=cfg.norm_epsilon,
         gated_linear_unit=swiglu,
@@ -202,12 +203,12 @@ def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
 
 def stage_seed(seed: int, stage_index: int) -> int:
     """Init seed of model part `stage_index` (0: embedding, 1..L: layers, L+1: output)."""
-    return seed * 1_000_003 + stage_index
+    return derived_seed(seed, stage_index)
 
 
 class BeliefLM(MegatronModule):
     """The whole model in one process (tensor parallelism inside the layers). The pipeline
-    (belief_lm/parallel/pipeline.py) is built from the same parts with the same seeds."""
+    (belief_lm/model/pipeline.py) is built from the same parts with the same seeds."""
 
     def __init__(
         self, model: ModelConfig, vocab_size: int, tensor_parallel: int = 1, seed: int = 0
@@ -233,11 +234,6 @@ class BeliefLM(MegatronModule):
         tied = self.embedding.word_embeddings.weight if self.model_config.tie_embeddings else None
         logits = self.output_layer(self.final_norm(hidden), tied)
         return logits if labels is None else lm_loss(logits, labels)
-
-
-def count_parameters(module: torch.nn.Module) -> int:
-    """Number of distinct parameters (a tied weight counts once)."""
-    return sum(p.numel() for p in module.parameters())
 
 
 def padded_vocab_size(tokenizer_vocab: int, model: ModelConfig, tensor_parallel: int) -> int:

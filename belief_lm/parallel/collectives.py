@@ -1,13 +1,24 @@
-"""Collectives the model is handed (it never looks up process groups itself)."""
+"""Collectives: the sums the model is handed (it never looks up process groups itself),
+and the rank-zero-first pattern for work that fills a cache the other ranks then read."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import timedelta
 from functools import partial
+from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_reduce
 
 from belief_lm.attention import ShardSum
+
+T = TypeVar("T")
+
+RANK_ZERO_FIRST_TIMEOUT = timedelta(hours=2)
+"""How long the other ranks wait for rank 0's first run (training a tokenizer on a large
+sample, converting a large checkpoint): longer than any collective's timeout."""
 
 
 def tensor_parallel_sum(group: dist.ProcessGroup | None) -> ShardSum | None:
@@ -22,3 +33,41 @@ def tensor_parallel_sum(group: dist.ProcessGroup | None) -> ShardSum | None:
     if group is None or dist.get_world_size(group) == 1:
         return None
     return partial(all_reduce, group=group)
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must be to go through `group`: NCCL reduces only CUDA tensors, gloo
+    only CPU ones (a count or a loss total made on the host must move for NCCL)."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank_zero_first(work: Callable[[], T]) -> T:
+    """`work()` on rank 0, then on every other rank once rank 0 is done. For idempotent work
+    whose first run fills a cache the others then read (a trained tokenizer, a checkpoint
+    converted to the universal form). Collective; without a process group it just runs.
+
+    The wait is on a gloo group of its own with a long timeout: the job's default group
+    may be NCCL (a GPU barrier) with a timeout sized for collectives, not for this. If
+    rank 0's run fails, every rank fails at once with its message (a ValueError stays a
+    ValueError: bad input is reported as such everywhere) instead of waiting.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return work()
+    group = dist.new_group(backend="gloo", timeout=RANK_ZERO_FIRST_TIMEOUT)
+    result, failure = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = work()
+        except Exception as err:  # told to the others below, then raised here
+            failure = err
+    outcome = [None if failure is None else (isinstance(failure, ValueError), str(failure))]
+    dist.broadcast_object_list(outcome, src=0, group=group)
+    dist.destroy_process_group(group)
+    if failure is not None:
+        raise failure
+    if outcome[0] is not None:
+        bad_input, message = outcome[0]
+        raise (ValueError if bad_input else RuntimeError)(f"on rank 0: {message}")
+    return result if dist.get_rank() == 0 else work()

@@ -7,6 +7,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import Tensor
 
+from belief_lm.parallel.collectives import collective_device
+
 
 def gather_tensor_parallel(shard: Tensor, like: torch.nn.Parameter) -> Tensor:
     """The full tensor of which `shard` is this rank's piece, sharded as megatron shards
@@ -27,24 +29,29 @@ def gather_tensor_parallel(shard: Tensor, like: torch.nn.Parameter) -> Tensor:
     return torch.cat([chunks[r][j] for j in range(stride) for r in range(world)], dim=dim)
 
 
+def counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank's copy of `param` counts toward a whole-model sum (parameters, the
+    gradient norm): tensor-parallel shards on every TP rank (each holds a slice),
+    replicated weights on TP rank 0 only, and never the output stage's copy of a tied
+    embedding (marked `pipeline_duplicate` by belief_lm.model.pipeline)."""
+    if getattr(param, "pipeline_duplicate", False):
+        return False
+    return tp_rank == 0 or getattr(param, "tensor_model_parallel", False)
+
+
 def count_model_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters of the whole model, summed over this rank's tensor- and
-    pipeline-parallel peers (collective over megatron's model-parallel group).
-
-    TP-sharded weights count on every TP rank (each holds a slice), replicated ones on TP
-    rank 0 only; a tied embedding's copy on the output stage is not counted again.
-    """
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    first_stage = ps.is_pipeline_first_stage()
-    total = 0
-    for name, param in model.named_parameters():
-        if name.startswith("tied_modules.") and not first_stage:
-            continue
-        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-            total += param.numel()
-    total = torch.tensor(total, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(total, group=ps.get_model_parallel_group())
+    pipeline-parallel peers (collective over megatron's model-parallel group when it
+    exists; a tied weight counts once)."""
+    grouped = ps.model_parallel_is_initialized() and dist.is_initialized()
+    tp_rank = ps.get_tensor_model_parallel_rank() if grouped else 0
+    count = sum(p.numel() for p in model.parameters() if counted_once(p, tp_rank))
+    if not grouped:
+        return count
+    group = ps.get_model_parallel_group()
+    # an explicit device: also right under a meta-device context (models built on meta)
+    total = torch.tensor(count, dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(total, group=group)
     return int(total.item())
 
 

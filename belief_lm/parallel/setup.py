@@ -6,37 +6,15 @@ same layout as DeepSpeed's PipeModelDataParallelTopology; the 3D engine asserts 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from belief_lm.parallel.dims import Layout, ParallelDims
+from belief_lm.parallel.env import ProcessEnv
 from belief_lm.runtime import backend_for
-from launcher.env import ProcessEnv
-
-
-@dataclass(frozen=True)
-class Layout:
-    """This rank's coordinates in the tensor x pipeline x data grid."""
-
-    tensor: int
-    pipeline: int
-    data: int
-    tensor_rank: int
-    pipeline_rank: int
-    data_rank: int
-
-
-def check_layout(world_size: int, tensor: int, pipeline: int) -> int:
-    """Data-parallel size for this world, or a ValueError naming the options to change."""
-    if world_size % (tensor * pipeline):
-        raise ValueError(
-            f"world size {world_size} is not divisible by parallel.tensor ({tensor}) x "
-            f"parallel.pipeline ({pipeline})"
-        )
-    return world_size // (tensor * pipeline)
 
 
 def init_distributed(env: ProcessEnv, device: torch.device, timeout_s: float = 600) -> None:
@@ -58,7 +36,7 @@ def init_distributed(env: ProcessEnv, device: torch.device, timeout_s: float = 6
 
 def init_model_parallel(tensor: int, pipeline: int) -> Layout:
     """Create (or reuse, if the sizes match) megatron's process groups."""
-    data = check_layout(dist.get_world_size(), tensor, pipeline)
+    data = ParallelDims(dist.get_world_size(), tensor, pipeline).data
     ps = parallel_state
     if ps.model_parallel_is_initialized():
         same = (
@@ -79,3 +57,13 @@ def init_model_parallel(tensor: int, pipeline: int) -> Layout:
         pipeline_rank=ps.get_pipeline_model_parallel_rank(),
         data_rank=ps.get_data_parallel_rank(),
     )
+
+
+def single_process_groups() -> Layout:
+    """The process groups of a one-process job (generation, export, tests): megatron's
+    layers need them even here. A gloo group of world size 1 unless this process is in
+    one already; its in-memory store needs no port, and it skips DeepSpeed's start-up,
+    which builds its CPU communication op every time (seconds to a minute)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return init_model_parallel(1, 1)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state as ps
 
-from belief_lm.parallel.setup import Layout
+from belief_lm.parallel.dims import Layout
 
 
 def deepspeed_topology(layout: Layout) -> PipeModelDataParallelTopology:

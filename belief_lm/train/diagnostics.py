@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state as ps
 
 from belief_lm.attention import global_orthogonal_residual
 from belief_lm.model.gpt import DecoderLayer
@@ -55,20 +54,18 @@ def belief_diagnostics(engine, tokens: torch.Tensor, labels: torch.Tensor, pipel
 
 def _layer_stats(layer: DecoderLayer, x: torch.Tensor, mh: torch.Tensor, v: torch.Tensor) -> dict:
     attention = layer.self_attention
-    delta = global_orthogonal_residual(mh, v, attention.core_attention.shard_sum)
+    shard_sum = attention.core_attention.shard_sum  # the layer's own tensor-parallel sum
+
+    def tp_sum(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if shard_sum is None else shard_sum(tensor)
+
+    delta = global_orthogonal_residual(mh, v, shard_sum)
     weight = attention.linear_proj.weight  # W^o, this rank's input columns
-    delta_wo, mh_wo = _tp_sum(F.linear(delta, weight)), _tp_sum(F.linear(mh, weight))
-    squares = _tp_sum(torch.stack([delta.float().square().sum(-1), mh.float().square().sum(-1)]))
+    delta_wo, mh_wo = tp_sum(F.linear(delta, weight)), tp_sum(F.linear(mh, weight))
+    squares = tp_sum(torch.stack([delta.float().square().sum(-1), mh.float().square().sum(-1)]))
     n = layer.layer_number
     return {
         f"layer{n}/delta_over_mh": float((squares[0] / squares[1]).sqrt().mean()),
         f"layer{n}/cos_delta_wo_x": float(F.cosine_similarity(delta_wo, x, dim=-1).mean()),
         f"layer{n}/cos_mh_wo_x": float(F.cosine_similarity(mh_wo, x, dim=-1).mean()),
     }
-
-
-def _tp_sum(tensor: torch.Tensor) -> torch.Tensor:
-    group = ps.get_tensor_model_parallel_group()
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
-    return tensor

@@ -2,57 +2,28 @@
 
 Without pipeline parallelism the plain engine wraps `BeliefLM` (ZeRO 0-3, tensor
 parallelism described to DeepSpeed by the mpu adapter); with it, the pipeline engine runs
-1F1B over the stages of `belief_lm.parallel.pipeline` (ZeRO-1 at most: DeepSpeed's limit).
+1F1B over the stages of `belief_lm.model.pipeline` (ZeRO-1 at most: DeepSpeed's limit).
 We hand DeepSpeed a ready optimizer and scheduler; the engine owns the accumulation
 boundary, clipping, the optimizer/scheduler steps, and checkpoints.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from belief_lm.config import Config
 from belief_lm.model.gpt import BeliefLM, DecoderLayer
+from belief_lm.parallel.dims import Layout
+from belief_lm.parallel.gather import count_model_parameters, counted_once
 from belief_lm.parallel.mpu import MegatronMPU
-from belief_lm.parallel.setup import Layout
 from belief_lm.parallel.topology import assert_same_layout, deepspeed_topology
+from belief_lm.preflight import grad_accumulation_steps, use_bf16
 from belief_lm.train.optim import GuardedAdamW, build_optimizer
-
-
-def use_bf16(precision: str, device: torch.device) -> bool:
-    """Resolve train.precision (auto: bf16 on GPU, fp32 on CPU)."""
-    if precision == "bf16" and device.type != "cuda":
-        raise ValueError("train.precision=bf16 needs a GPU; use fp32 or auto on CPU")
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
-
-
-def grad_accumulation_steps(cfg: Config, data_parallel: int) -> int:
-    """Micro-batches per optimizer step on each rank: global / (micro x data-parallel)."""
-    per_step = cfg.train.micro_batch_size * data_parallel
-    if cfg.train.global_batch_size % per_step:
-        raise ValueError(
-            f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size ({cfg.train.micro_batch_size}) x data-parallel size "
-            f"({data_parallel})"
-        )
-    return cfg.train.global_batch_size // per_step
-
-
-def check_engine_settings(cfg: Config) -> None:
-    """Combinations DeepSpeed cannot run, refused before any work."""
-    if cfg.parallel.pipeline > 1 and cfg.parallel.zero_stage > 1:
-        raise ValueError(
-            f"parallel.zero_stage={cfg.parallel.zero_stage} cannot be combined with "
-            f"parallel.pipeline={cfg.parallel.pipeline}: DeepSpeed's pipeline engine "
-            "supports ZeRO stage 0 or 1"
-        )
-    if cfg.parallel.pipeline > cfg.model.num_layers:
-        raise ValueError(
-            f"parallel.pipeline ({cfg.parallel.pipeline}) exceeds model.num_layers "
-            f"({cfg.model.num_layers}): every stage needs a decoder layer"
-        )
 
 
 def deepspeed_config(cfg: Config, data_parallel: int, bf16: bool) -> dict:
@@ -74,13 +45,46 @@ def deepspeed_config(cfg: Config, data_parallel: int, bf16: bool) -> dict:
 
 @dataclass
 class Trainee:
-    """What training needs from the set-up: the engine, our optimizer (for `skipped`) and
-    the model's size."""
+    """The model in its DeepSpeed engine, and the one optimizer step training repeats."""
 
     engine: object
     optimizer: GuardedAdamW
+    """Ours inside the engine: it tells whether the last update was skipped."""
     parameters: int
+    """Whole-model parameter count (all ranks)."""
     pipelined: bool
+
+    def train_step(self, micro_batches: Iterator) -> torch.Tensor:
+        """One optimizer step over the accumulation micro-batches; returns the mean loss of
+        this rank's micro-batches (a device tensor: reading it is the caller's sync)."""
+        engine, self.optimizer.skipped = self.engine, None
+        if self.pipelined:  # 1F1B over all micro-batches, optimizer step included
+            return engine.train_batch(data_iter=micro_batches)
+        accumulation = engine.gradient_accumulation_steps()
+        total = None
+        for _ in range(accumulation):
+            tokens, labels = next(micro_batches)
+            loss = engine(tokens, labels)
+            engine.backward(loss)  # DeepSpeed divides by the accumulation steps
+            engine.step()  # optimizer + scheduler step only at the accumulation boundary
+            total = loss.detach() if total is None else total + loss.detach()
+        return total / accumulation
+
+    @property
+    def update_skipped(self) -> bool:
+        """Whether the last step's update was skipped for a non-finite gradient (decided
+        on every rank together); DeepSpeed's own overflow check may skip the optimizer
+        entirely, which counts as skipped too."""
+        return self.optimizer.skipped is not False
+
+    def global_mean(self, loss: torch.Tensor) -> float:
+        """This step's loss averaged over the global batch, on every rank (collective over
+        data parallelism; the pipeline engine already averages)."""
+        if not self.pipelined and ps.get_data_parallel_world_size() > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=ps.get_data_parallel_group())
+            loss /= ps.get_data_parallel_world_size()
+        return loss.item()  # host-device sync: once per log interval, not per step
 
 
 def build_engine(
@@ -90,17 +94,13 @@ def build_engine(
     `load_universal`: the checkpoint to resume from is in DeepSpeed's universal format."""
     import deepspeed  # imported after select_device set the accelerator
 
-    from belief_lm.parallel.gather import count_model_parameters
-    from belief_lm.parallel.pipeline import build_pipeline
+    from belief_lm.model.pipeline import build_pipeline
 
     topology = deepspeed_topology(layout)
     assert_same_layout(topology)
     pipelined = layout.pipeline > 1
     if pipelined:
         model = build_pipeline(cfg.model, vocab_size, topology, layout.tensor, cfg.run.seed)
-        if model.stage_id > 0:  # the output stage's copy of a tied embedding
-            for name, param in model.named_parameters():
-                param.pipeline_duplicate = name.startswith("tied_modules.")
     else:
         model = BeliefLM(cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed)
     model.to(device)
@@ -113,7 +113,7 @@ def build_engine(
         module.register_state_dict_post_hook(_drop_empty_extra_state)
 
     optimizer, scheduler = build_optimizer(model, cfg.train, device)
-    bf16 = use_bf16(cfg.train.precision, device)
+    bf16 = use_bf16(cfg.train.precision, device.type)
     ds_config = deepspeed_config(cfg, layout.data, bf16)
     ds_config["checkpoint"] = {"load_universal": load_universal}
     if cfg.parallel.zero_stage == 0 and not bf16:
@@ -157,13 +157,7 @@ def global_grad_norm(params: list[torch.nn.Parameter], mpu) -> float:
     only, the output stage's copy of a tied embedding not at all, squares summed over the
     model-parallel (TP x PP) group. DeepSpeed's own helpers each miss one of these rules."""
     tp_rank = mpu.get_tensor_model_parallel_rank()
-    grads = [
-        p.grad
-        for p in params
-        if p.grad is not None
-        and not getattr(p, "pipeline_duplicate", False)
-        and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
-    ]
+    grads = [p.grad for p in params if p.grad is not None and counted_once(p, tp_rank)]
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float32, device=device)
     if grads:

@@ -18,11 +18,8 @@ PEAK_DENSE_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 3
 
 def matmul_weights(model: ModelConfig, vocab_size: int) -> int:
     """Weights used in matrix multiplies (embedding lookups and norms excluded)."""
-    hidden, heads = model.hidden_size, model.num_attention_heads
-    head_dim = hidden // heads
-    groups = model.num_query_groups or heads
-    ffn = model.ffn_hidden_size or 4 * hidden
-    qkv = hidden * (heads + 2 * groups) * head_dim
+    hidden, ffn = model.hidden_size, model.ffn_size
+    qkv = hidden * (model.num_attention_heads + 2 * model.query_groups) * model.head_dim
     out = hidden * hidden * (2 if model.attention == "belief_star" else 1)
     mlp = hidden * ffn * (3 if model.activation == "swiglu" else 2)
     return model.num_layers * (qkv + out + mlp) + hidden * vocab_size

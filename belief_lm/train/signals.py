@@ -8,12 +8,8 @@ import signal
 import torch
 import torch.distributed as dist
 
-PREEMPTED_EXIT_CODE = 75
-"""Exit status after a stop request was honoured: a checkpoint was saved and the job can
-be requeued to resume (EX_TEMPFAIL, 'try again later')."""
 
-
-class Preempted(Exception):  # a normal outcome (exit code 75), not an error
+class Preempted(Exception):  # a normal outcome (exit_codes.PREEMPTED), not an error
     """Raised after the checkpoint of a stop request is saved."""
 
     def __init__(self, step: int):

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from belief_lm.config import DataConfig
-from belief_lm.parallel.setup import Layout
-from belief_lm.train.data import build_validation_data
+from belief_lm.parallel.collectives import collective_device
+from belief_lm.parallel.dims import Layout
+from data_pipeline.build import build_validation_data
+from data_pipeline.config import DataConfig
 from data_pipeline.tokenizer import Tokenizer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -44,7 +45,7 @@ def validation_loss(
     module = model_or_engine.module if hasattr(model_or_engine, "module") else model_or_engine
     was_training = module.training
     module.eval()
-    totals = torch.zeros(2, dtype=torch.float64)  # summed loss x tokens, tokens
+    totals = torch.zeros(2, dtype=torch.float64)  # summed loss x tokens, tokens (on the host)
     try:
         if pipelined and batches:  # DeepSpeed runs the micro-batches through the stages
             loss = model_or_engine.eval_batch(iter(batches), num_micro_batches=len(batches))
@@ -57,7 +58,10 @@ def validation_loss(
     finally:
         module.train(was_training)
     if dist.is_initialized():
-        dist.all_reduce(totals, group=ps.get_data_parallel_group())
+        group = ps.get_data_parallel_group()
+        reduced = totals.to(collective_device(group))
+        dist.all_reduce(reduced, group=group)
+        totals = reduced.cpu()
     if totals[1] == 0:
         return float("nan"), 0
     return float(totals[0] / totals[1]), int(totals[1])

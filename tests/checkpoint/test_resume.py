@@ -1,32 +1,26 @@
 """Resume through the real training loop, in this process and as a command."""
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from belief_lm.checkpoint.store import CheckpointError, newest_checkpoint, read_info
+from belief_lm.checkpoint.files import CheckpointError, newest_checkpoint, read_info
 from belief_lm.config import load_config
 from belief_lm.train.loop import train
+from tests.jobs import MICRO, start_cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = [
-    "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=192",
-    "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
-    "train.warmup_steps=2", "train.decay_steps=8", "run.log_interval=1",
-    "run.tensorboard=false", "data.num_workers=1",
+    "model.seq_length=64", "train.micro_batch_size=4", "train.decay_steps=8",
+    "data.num_workers=1",
 ]  # fmt: skip
 
 
 def config(run_dir, cache_dir, *overrides):
     return load_config(
-        "configs/tiny.yaml",
-        [*SMALL, f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}", *overrides],
+        MICRO, [*SMALL, f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}", *overrides]
     )
 
 
@@ -65,14 +59,8 @@ def test_incompatible_config_is_refused(tmp_path, cache_dir):
 
 
 def _command(run_dir, cache_dir, *overrides):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     args = [f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}", *SMALL, *overrides]
-    return subprocess.Popen(
-        [sys.executable, "-m", "belief_lm.cli", "train", "--config", "configs/tiny.yaml", *args],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    return start_cli("train", "--config", MICRO, *args)
 
 
 def _wait_for_rows(run_dir, rows, job, timeout=240):

@@ -5,14 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from belief_lm.checkpoint.store import (
+from belief_lm.checkpoint.files import (
     CheckpointError,
     CheckpointInfo,
     complete_checkpoints,
     newest_checkpoint,
     read_info,
-    save,
 )
+from belief_lm.checkpoint.store import save
 
 INFO = {
     "consumed_tokens": 0,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from corpora import write_fineweb
 
-from belief_lm.config import DataConfig
-from belief_lm.train.data import build_tokenizer
+from data_pipeline.build import build_tokenizer
+from data_pipeline.config import DataConfig
 
 
 @pytest.fixture(scope="session")

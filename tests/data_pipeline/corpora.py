@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from belief_lm.config import SourceConfig
+from data_pipeline.config import SourceConfig
 from data_pipeline.embedded import embedded_documents
 from data_pipeline.sources import open_source
 

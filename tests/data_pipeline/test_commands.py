@@ -2,9 +2,8 @@
 
 import json
 
-from test_cli import belief_lm  # the CLI as a subprocess, as tests/test_cli.py runs it
-
 from data_pipeline.tokenizer import Tokenizer
+from tests.jobs import run_cli as belief_lm
 
 
 def test_tokenizer_train_then_prepare(tmp_path, fineweb):

@@ -8,8 +8,8 @@ import torch
 from corpora import read_documents, source, take, worker_tokens, write_openwebtext_jsonl
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from belief_lm.config import DataConfig
-from belief_lm.train.data import build_tokenizer, build_train_data
+from data_pipeline.build import build_tokenizer, build_train_data
+from data_pipeline.config import DataConfig
 from data_pipeline.documents import split_of
 from data_pipeline.prepared import prepare
 from data_pipeline.stream import MixedWindows, StreamSettings
@@ -50,7 +50,7 @@ def test_prepared_samples_are_shuffled_and_each_read_once_by_2x2_streams(
         dataset = MixedWindows([prepared_source], [1.0], None, settings, rank, world_size=2)
         streams += worker_tokens(dataset, num_workers=2)
     windows = [tuple(s[i : i + 33]) for s in streams for i in range(0, len(s), 33)]
-    gpt = prepared_source._datasets["train"]  # megatron's GPTDataset, built by open()
+    gpt = prepared_source.samples("train")  # megatron's GPTDataset, built by open()
     assert len(gpt) == (meta["train_tokens"] - 1) // 32  # samples overlap by one token
     samples = [
         tuple(gpt[i]["tokens"].tolist() + gpt[i]["labels"][-1:].tolist()) for i in range(len(gpt))

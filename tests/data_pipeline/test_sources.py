@@ -18,8 +18,9 @@ from corpora import (
     write_openwebtext_jsonl,
 )
 
-from belief_lm.config import ConfigError, DataConfig, load_config
-from belief_lm.train.data import check_data
+from belief_lm.config import ConfigError, load_config
+from data_pipeline.build import check_data
+from data_pipeline.config import DataConfig
 from data_pipeline.documents import text_id
 
 

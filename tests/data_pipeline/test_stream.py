@@ -22,8 +22,8 @@ from corpora import (
     write_openwebtext_jsonl,
 )
 
-from belief_lm.config import DataConfig
-from belief_lm.train.data import build_train_data, build_validation_data
+from data_pipeline.build import build_train_data, build_validation_data
+from data_pipeline.config import DataConfig
 from data_pipeline.documents import split_of
 from data_pipeline.loader import SNAPSHOT_EVERY
 from data_pipeline.stream import MixedWindows, StreamSettings

@@ -2,9 +2,9 @@ import pickle
 
 import pytest
 
-from belief_lm.config import DataConfig
-from belief_lm.train.data import build_tokenizer
 from data_pipeline import tokenizer as tk
+from data_pipeline.build import build_tokenizer
+from data_pipeline.config import DataConfig
 from data_pipeline.embedded import embedded_documents
 
 

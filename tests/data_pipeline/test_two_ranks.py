@@ -2,27 +2,25 @@
 streaming pipeline; a run stopped after 5 micro-batches (the process exits) and resumed in
 a new process from the saved data state sees exactly the batches of an uninterrupted run."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from corpora import write_fineweb
 
+from tests.jobs import ROOT, job_env, run_job, torchrun_command
+
 SCRIPT = Path(__file__).with_name("two_ranks.py")
 
 
 def torchrun(tmp_path, phase, timeout=300):
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(SCRIPT), str(tmp_path), phase,
+    command = torchrun_command(
+        2, str(SCRIPT), str(tmp_path), phase,
         f"data.sources=[{{uri: 'hf:{tmp_path / 'fineweb-edu'}:sample-10BT', id_column: id}}]",
         "data.num_workers=2", "data.tokenizer.vocab_size=512", "data.validation_fraction=0.05",
         "model.seq_length=32", "train.micro_batch_size=4", f"run.cache_dir={tmp_path / 'cache'}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parent)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    )  # fmt: skip
+    # the script's own folder is on its path (corpora.py); the checkout's packages via job_env
+    done = run_job(command, timeout, cwd=ROOT, env=job_env())
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 

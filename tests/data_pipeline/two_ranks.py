@@ -16,18 +16,20 @@ import torch
 import torch.distributed as dist
 
 from belief_lm.config import load_config
+from belief_lm.parallel import env as process_env
+from belief_lm.parallel.collectives import rank_zero_first
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
-from belief_lm.train.data import build_tokenizer, build_train_data, check_data
-from launcher import env as launcher_env
+from data_pipeline.build import build_tokenizer, build_train_data, check_data
 
 
 def main(out: str, phase: str, *overrides: str) -> None:
     cfg = load_config(None, list(overrides))
     device = torch.device("cpu")
     check_data(cfg.data)  # as the trainer's pre-flight, before any process group
-    init_distributed(launcher_env.detect(), device)
+    init_distributed(process_env.detect(), device)
     layout = init_model_parallel(1, 1)
-    tokenizer = build_tokenizer(cfg.data, cfg.run.cache_dir)  # rank 0 trains, the others wait
+    # rank 0 trains the tokenizer, the others wait and load it from the cache
+    tokenizer = rank_zero_first(lambda: build_tokenizer(cfg.data, cfg.run.cache_dir))
 
     def stream():
         return build_train_data(

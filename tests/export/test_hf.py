@@ -6,11 +6,11 @@ import sys
 import pytest
 import torch
 
-from belief_lm.attention import VARIANTS
 from belief_lm.checkpoint.consolidate import consolidate
 from belief_lm.export import export
 from belief_lm.inference.generate import Sampling, generate
 from belief_lm.inference.load import load_model
+from belief_lm.variants import VARIANTS
 
 GPT2_LIKE = {
     "normalization": "LayerNorm",

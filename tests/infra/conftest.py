@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import jobs
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
@@ -73,10 +75,9 @@ TINY_RUN = [
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """This environment for a job or container, minus rendezvous variables a test process
-    may carry (the single-process fixtures export RANK, MASTER_ADDR, ...)."""
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+    """tests.jobs.job_env for a SLURM job or a container: without the rendezvous variables
+    a test process may carry (the single-process fixtures export RANK, MASTER_ADDR, ...)."""
+    return jobs.job_env(extra)
 
 
 def logged_steps(run_dir: Path) -> list[int]:

@@ -54,7 +54,7 @@ def wait_for_text(path: Path, text: str, count: int, timeout: float = 60) -> Non
 
 
 def test_srun_tasks_know_their_place(slurm_cluster):
-    """launcher.env.detect() in real srun tasks: one rank per node, master = first node."""
+    """parallel.env.detect() in real srun tasks: one rank per node, master = first node."""
     out = slurm(
         slurm_cluster,
         "srun",
@@ -63,7 +63,7 @@ def test_srun_tasks_know_their_place(slurm_cluster):
         "--label",
         sys.executable,
         "-c",
-        "from launcher.env import detect; e = detect(); "
+        "from belief_lm.parallel.env import detect; e = detect(); "
         "print(e.launcher, e.rank, e.world_size, e.node_rank, e.local_rank, e.master_addr)",
         timeout=60,
     )

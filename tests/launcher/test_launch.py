@@ -2,7 +2,6 @@
 real 2-process torchrun."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -12,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from belief_lm.cli import main
-from launcher.slurm import REQUEUE_EXIT_CODE, TEMPLATE
-from tests.jobs import run_job
+from belief_lm.exit_codes import PREEMPTED
+from launcher.slurm import TEMPLATE
+from tests.jobs import run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 GPU_RUN = [
     "launch.nodes=4",
     "launch.gpus_per_node=8",
@@ -115,7 +114,7 @@ def test_rendered_script_passes_shellcheck(capsys, tmp_path, extra):
 
 
 def test_template_requeues_on_the_launcher_exit_code():
-    assert f"\nREQUEUE_EXIT_CODE={REQUEUE_EXIT_CODE}\n" in TEMPLATE.read_text()
+    assert f"\nREQUEUE_EXIT_CODE={PREEMPTED}\n" in TEMPLATE.read_text()
 
 
 @pytest.mark.parametrize(
@@ -175,33 +174,15 @@ def test_submit_without_sbatch_says_so(tmp_path, capsys, monkeypatch):
 @pytest.mark.slow
 def test_launch_local_trains_with_two_processes(tmp_path, cache_dir):
     """torchrun really starts 2 CPU ranks (gloo) that train together."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    out = run_job(
-        [
-            sys.executable,
-            "-m",
-            "belief_lm.cli",
-            "launch",
-            "local",
-            "--config",
-            "configs/tiny.yaml",
-            "launch.tasks_per_node=2",
-            "train.max_steps=3",
-            "train.micro_batch_size=4",
-            "train.global_batch_size=8",
-            "model.num_layers=1",
-            "run.log_interval=1",
-            "run.tensorboard=false",
-            f"run.output_dir={tmp_path}",
-            f"run.cache_dir={cache_dir}",
-        ],
-        timeout=240,
-        cwd=ROOT,
-        env=env,
-    )
+    out = run_cli(
+        "launch", "local", "--config", "configs/tiny.yaml", "launch.tasks_per_node=2",
+        "train.max_steps=3", "train.micro_batch_size=4", "train.global_batch_size=8",
+        "model.num_layers=1", "run.log_interval=1", "run.tensorboard=false",
+        f"run.output_dir={tmp_path}", f"run.cache_dir={cache_dir}", timeout=240,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     # torchrun started 2 processes, and exactly one of them logged each step: they formed
     # one world of 2 (two single-process runs would both be rank 0 and both write rows)
-    assert "Setting OMP_NUM_THREADS environment variable for each process" in out.stderr
+    assert "layout TP1 x PP1 x DP2" in out.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -6,7 +6,8 @@ import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from belief_lm.model.attention_layer import VARIANTS, FamilyCoreAttention
+from belief_lm.model.attention_layer import FamilyCoreAttention
+from belief_lm.variants import VARIANTS
 
 S, B, HEADS, GROUPS, D = 10, 2, 4, 2, 8
 SCALES = [1, 2, 3, 1]

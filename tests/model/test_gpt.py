@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from belief_lm.config import ModelConfig, load_config
-from belief_lm.model.attention_layer import VARIANTS
-from belief_lm.model.gpt import BeliefLM, count_parameters, padded_vocab_size
+from belief_lm.model.gpt import BeliefLM, padded_vocab_size
+from belief_lm.parallel.gather import count_model_parameters
+from belief_lm.variants import VARIANTS
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
 
@@ -16,7 +17,7 @@ def preset(name: str, **updates) -> ModelConfig:
 
 def meta_count(model: ModelConfig) -> int:
     with torch.device("meta"):
-        return count_parameters(BeliefLM(model, model.vocab_size))
+        return count_model_parameters(BeliefLM(model, model.vocab_size))
 
 
 def test_llama_188m_counts_from_the_issue():

@@ -17,9 +17,9 @@ from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_regi
 
 from belief_lm.attention import global_orthogonal_residual  # noqa: E402
 from belief_lm.parallel.collectives import tensor_parallel_sum  # noqa: E402
+from belief_lm.parallel.env import detect  # noqa: E402
 from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
-from launcher.env import detect  # noqa: E402
 
 
 def grads(mh, v, weight, shard_sum):

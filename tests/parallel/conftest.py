@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.jobs import run_job
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.jobs import ROOT, job_env, run_job, torchrun_command
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None):
     """Run `torchrun --nproc_per_node=nproc args...` from the repo root; kill it after
     `timeout` seconds (a crashed gloo rank would otherwise leave the others waiting)."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--standalone", *args,
-    ]  # fmt: skip
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        full_env.pop(key, None)
-    return run_job(command, timeout, cwd=ROOT, env=full_env)
+    return run_job(torchrun_command(nproc, *args), timeout, cwd=ROOT, env=job_env(env))
 
 
 def run_driver(
@@ -44,7 +33,7 @@ def run_driver(
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Path:
     """Single-process (TP=PP=DP=1) records of every variant."""
-    from belief_lm.model.attention_layer import VARIANTS
+    from belief_lm.variants import VARIANTS
 
     return run_driver(tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, list(VARIANTS))
 
@@ -52,7 +41,7 @@ def reference(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tp2(tmp_path_factory) -> Path:
     """TP=2 records of every variant (one torchrun: start-up dominates on CPU)."""
-    from belief_lm.model.attention_layer import VARIANTS
+    from belief_lm.variants import VARIANTS
 
     return run_driver(tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, list(VARIANTS))
 

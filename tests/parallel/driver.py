@@ -26,16 +26,16 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 
-from belief_lm.checkpoint import store  # noqa: E402
 from belief_lm.config import load_config  # noqa: E402
+from belief_lm.model.pipeline import canonical_name  # noqa: E402
+from belief_lm.parallel.dims import ParallelDims  # noqa: E402
+from belief_lm.parallel.env import detect  # noqa: E402
 from belief_lm.parallel.gather import full_state_dict, gather_tensor_parallel  # noqa: E402
-from belief_lm.parallel.pipeline import canonical_name  # noqa: E402
 from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
+from belief_lm.preflight import plan_resume  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
 from belief_lm.train import checkpointing  # noqa: E402
 from belief_lm.train.engine import build_engine  # noqa: E402
-from belief_lm.train.loop import _mean_over_data_parallel, train_step  # noqa: E402
-from launcher.env import detect  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
 
@@ -92,12 +92,10 @@ def run(
 ) -> None:
     cfg = config(tp, pp, zero, variant)
     cfg.run.output_dir = out_dir
+    cfg.checkpoint.resume = resume or "never"
     layout = init_model_parallel(tp, pp)
-    plan = None
-    if resume is not None:
-        info = store.read_info(Path(resume))
-        saved = (info.tensor, info.pipeline, info.data, info.zero_stage)
-        plan = checkpointing.ResumePlan(Path(resume), info, saved != (tp, pp, layout.data, zero))
+    # the synthetic data below resumes at any data-parallel size: only the weights' checks
+    plan = plan_resume(cfg, ParallelDims(dist.get_world_size(), tp, pp))
     trainee = build_engine(
         cfg, layout, VOCAB, torch.device("cpu"), plan is not None and plan.other_layout
     )
@@ -122,12 +120,13 @@ def run(
     engine._take_model_step = capture_then_step
     losses, norms = [], []
     for _ in range(first, save_at or steps):
-        losses.append(_mean_over_data_parallel(train_step(trainee, data), trainee))
+        losses.append(trainee.global_mean(trainee.train_step(data)))
         norms.append(float(engine.get_global_grad_norm()))
     if save_at:
         tokenizer = Path(out_dir) / "tokenizer.model"  # the checkpoint copies it; any bytes do
         tokenizer.write_bytes(b"synthetic data: no tokenizer")
-        checkpointing.save(cfg, engine, data, layout, save_at, 0, VOCAB, tokenizer)
+        state = checkpointing.rank_state(data, layout)
+        checkpointing.save(cfg, engine, state, layout, save_at, 0, VOCAB, tokenizer)
     params = full_state_dict(engine.module, rename)
     logits = None
     if not trainee.pipelined:  # logits over the whole vocabulary, for the TP -> TP=1 check

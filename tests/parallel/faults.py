@@ -19,13 +19,14 @@ import torch.distributed as dist  # noqa: E402
 import belief_lm.train.loop as loop  # noqa: E402
 from belief_lm.config import load_config  # noqa: E402
 from belief_lm.model.gpt import DecoderLayer  # noqa: E402
+from belief_lm.train.engine import Trainee  # noqa: E402
 
 
 def main():
     out_dir, nan_steps, nan_rank, *overrides = sys.argv[1:]
     nan_steps, nan_rank = {int(s) for s in nan_steps.split(",")}, int(nan_rank)
     record = {"checksums": [], "error": None, "result": None}
-    original_step, calls = loop.train_step, []
+    original_step, calls = Trainee.train_step, []
 
     def checksum(trainee):
         return sum(
@@ -47,8 +48,8 @@ def main():
         record["checksums"].append((before, checksum(trainee)))
         return loss
 
-    loop.train_step = faulty_step
-    cfg = load_config("configs/tiny.yaml", overrides)
+    Trainee.train_step = faulty_step
+    cfg = load_config("configs/test/micro.yaml", overrides)
     try:
         record["result"] = loop.train(cfg)
     except loop.NonFiniteLossError as err:

@@ -5,20 +5,14 @@ import json
 
 import pytest
 
-from tests.parallel.conftest import assert_equivalent, load_run, run_driver, torchrun
-
-COMMON = [
-    "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=192",
-    "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=8",
-    "train.warmup_steps=2", "train.decay_steps=6", "train.max_steps=6", "run.log_interval=1",
-    "run.tensorboard=false",
-]  # fmt: skip
+from tests.jobs import MICRO, run_cli
+from tests.parallel.conftest import assert_equivalent, load_run, run_driver
 
 
 def train(nproc, run_dir, cache_dir, *overrides):
-    result = torchrun(
-        nproc, "-m", "belief_lm.cli", "train", "--config", "configs/tiny.yaml", *COMMON,
-        f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}", *overrides, timeout=600,
+    result = run_cli(
+        "train", "--config", MICRO, f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}",
+        *overrides, nproc=nproc, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-5000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -55,9 +49,9 @@ def test_evaluate_on_another_layout(zero2_run, tmp_path):
     results = {}
     for nproc, tensor in ((2, 2), (1, 1)):
         out = tmp_path / f"eval-tp{tensor}.json"
-        done = torchrun(
-            nproc, "-m", "belief_lm.cli", "evaluate", "--checkpoint", step6,
-            "--tensor", str(tensor), "--output", str(out), timeout=600,
+        done = run_cli(
+            "evaluate", "--checkpoint", step6, "--tensor", str(tensor), "--output", str(out),
+            nproc=nproc, timeout=600,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-4000:]
         results[tensor] = json.loads(out.read_text())

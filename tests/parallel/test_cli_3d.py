@@ -2,18 +2,18 @@
 
 import json
 
-from tests.parallel.conftest import torchrun
+from tests.jobs import run_cli
 
 
 def test_belief_star_trains_at_tp2_pp2_dp2(tmp_path, cache_dir):
-    result = torchrun(
-        8, "-m", "belief_lm.cli", "train", "--config", "configs/tiny.yaml",
+    result = run_cli(
+        "train", "--config", "configs/tiny.yaml",
         "parallel.tensor=2", "parallel.pipeline=2", "model.seq_length=64",
         "train.micro_batch_size=4", "train.global_batch_size=16", "train.max_steps=30",
         "train.warmup_steps=5", "run.diagnostics_interval=15", "train.eval_interval=15",
         "train.eval_batches=2",
         f"run.output_dir={tmp_path}", f"run.cache_dir={cache_dir}",
-        timeout=540,  # inside pytest's 600 s limit, so this one stops the ranks
+        nproc=8, timeout=540,  # inside pytest's 600 s limit, so this one stops the ranks
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-5000:]
     assert "layout TP2 x PP2 x DP2" in result.stderr

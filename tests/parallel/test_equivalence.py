@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from belief_lm.model.attention_layer import VARIANTS
+from belief_lm.variants import VARIANTS
 from tests.parallel.conftest import assert_equivalent, load_run, run_driver
 
 

@@ -5,21 +5,18 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from tests.jobs import stop_job
-from tests.parallel.conftest import ROOT, torchrun
+from tests.jobs import start_cli, stop_job
+from tests.parallel.conftest import torchrun
 
 
 def fault_run(tmp_path, cache_dir, nproc, nan_steps, nan_rank, *overrides):
     overrides = [
-        "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=96",
-        "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4",
-        "train.max_steps=6", "run.tensorboard=false", "train.warmup_steps=1", "run.log_interval=1",
+        "model.ffn_hidden_size=96", "train.global_batch_size=4", "train.warmup_steps=1",
         f"run.output_dir={tmp_path}/run", f"run.cache_dir={cache_dir}", *overrides,
     ]  # fmt: skip
     result = torchrun(
@@ -60,28 +57,19 @@ def test_too_many_nonfinite_steps_stop_every_rank(tmp_path, cache_dir):
 def test_killed_rank_ends_the_job(tmp_path, cache_dir):
     """SIGKILL one of two ranks mid-training: torchrun stops the other and exits non-zero
     well before any collective timeout."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", "belief_lm.cli", "train", "--config", "configs/tiny.yaml",
+    job = start_cli(
+        "train", "--config", "configs/tiny.yaml",
         "model.num_layers=1", "train.max_steps=100000", "run.tensorboard=false",
         "train.micro_batch_size=4", "train.global_batch_size=8", "parallel.timeout_s=1800",
-        f"run.output_dir={tmp_path}", f"run.cache_dir={cache_dir}",
-    ]  # fmt: skip
-    job = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+        f"run.output_dir={tmp_path}", f"run.cache_dir={cache_dir}", nproc=2,
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while (
             not (tmp_path / "metrics.jsonl").exists()
             or not (tmp_path / "metrics.jsonl").read_text()
         ):
-            assert job.poll() is None, job.stderr.read().decode()[-3000:]
+            assert job.poll() is None, job.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(1)
         workers = subprocess.run(

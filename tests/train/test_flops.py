@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from belief_lm.config import load_config
-from belief_lm.model.attention_layer import VARIANTS
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.train.flops import flops_per_token, matmul_weights, peak_tflops
+from belief_lm.variants import VARIANTS
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-124m", "llama-188m"])

@@ -7,17 +7,16 @@ import pytest
 import torch
 
 from belief_lm.config import load_config
-from belief_lm.train import loop
+from belief_lm.train import metrics
 from belief_lm.train.run_dir import drop_metrics_after
 
 
 def test_a_resumed_runs_first_interval_starts_at_its_checkpoint(monkeypatch):
     cfg = load_config("configs/tiny.yaml")
     clock = iter([100.0, 102.0])
-    monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
-    meter = loop.Meter(cfg, 4096, torch.device("cpu"), world_size=1, start=4)
-    trainee = SimpleNamespace(engine=SimpleNamespace(get_global_grad_norm=lambda: 1.0))
-    scalars = meter.scalars(5, 3.0, 1e-3, trainee, SimpleNamespace(wait_s=0.5))
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    meter = metrics.Meter(cfg, 4096, torch.device("cpu"), world_size=1, start=4)
+    scalars = meter.scalars(5, 3.0, 1e-3, 1.0, SimpleNamespace(wait_s=0.5))
     # one step (5 after 4) in 2 s, not five steps since step 0
     assert scalars["step_time_s"] == pytest.approx(2.0)
     assert scalars["data_wait_s"] == pytest.approx(0.5)

@@ -7,30 +7,20 @@ import pytest
 import yaml
 
 from belief_lm.config import load_config
-from belief_lm.model.attention_layer import VARIANTS
 from belief_lm.train.loop import train
+from belief_lm.variants import VARIANTS
+from tests.jobs import MICRO
 
 
 def small(tmp_path, cache_dir, *overrides):
     return load_config(
-        "configs/tiny.yaml",
+        MICRO,
         [
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            "model.ffn_hidden_size=192",
-            "model.seq_length=64",
-            "train.micro_batch_size=8",
-            "train.global_batch_size=8",
-            "train.max_steps=50",
-            "train.warmup_steps=5",
-            "train.lr=3e-3",
-            "run.log_interval=1",
-            "run.tensorboard=false",
-            f"run.output_dir={tmp_path}",
-            f"run.cache_dir={cache_dir}",
-            *overrides,
+            "model.seq_length=64", "train.micro_batch_size=8", "train.max_steps=50",
+            "train.decay_steps=null", "train.warmup_steps=5", f"run.output_dir={tmp_path}",
+            f"run.cache_dir={cache_dir}", *overrides,
         ],
-    )
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

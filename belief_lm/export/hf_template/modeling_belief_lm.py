@@ -18,8 +18,9 @@ from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
-from .belief_attention import VARIANTS, attention_heads, heads_from_groups, residual_signal
+from .belief_attention import attention_heads, heads_from_groups, residual_signal
 from .configuration_belief_lm import BeliefLMConfig
+from .variants import VARIANTS
 
 
 def norm(config: BeliefLMConfig) -> nn.Module:

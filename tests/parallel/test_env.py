@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from belief_lm.parallel.env import LaunchEnvError, detect, expand_nodelist
 from belief_lm.runtime import backend_for, device_for
-from launcher.env import LaunchEnvError, detect, expand_nodelist
 
 TORCHRUN = {
     "RANK": "3",

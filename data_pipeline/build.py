@@ -1,5 +1,6 @@
-"""From the data config to batches: pre-flight checks, the tokenizer, this rank's training
-and validation data (the trainer's whole interface to `data_pipeline`)."""
+"""From the data config to what a trainer consumes: pre-flight checks, the tokenizer, one
+data-parallel rank's training and validation batches. This is the pipeline's whole
+interface: the trainer imports these functions and nothing deeper."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from belief_lm.config import DataConfig
+from data_pipeline.config import DataConfig
 from data_pipeline.loader import TrainData
 from data_pipeline.prepared import PreparedSource
 from data_pipeline.sources import SourceError, open_source
@@ -35,7 +35,8 @@ def check_data(data: DataConfig) -> None:
 
 def build_tokenizer(data: DataConfig, cache_dir: str) -> Tokenizer:
     """The configured tokenizer, that of prepared sources, or one trained on a sample of the
-    sources (rank 0 trains and caches it while the other ranks wait, then all load it)."""
+    sources and cached (the sample is read only on a cache miss: in a job, let one rank
+    build it first and the others then find it in the cache)."""
     path = data.tokenizer.path
     prepared = [s for s in map(open_source, data.sources) if isinstance(s, PreparedSource)]
     if path is None and prepared:
@@ -50,14 +51,8 @@ def build_tokenizer(data: DataConfig, cache_dir: str) -> Tokenizer:
         json.dumps(data.model_dump(mode="json", include=sampled)),
         f"sample={data.tokenizer.sample_documents}",
     ]
-    first = not dist.is_initialized() or dist.get_rank() == 0
-    tokenizer = None
-    if first:
-        texts = tokenizer_sample(data, progress=False)
-        tokenizer = cached_tokenizer(key, texts, data.tokenizer.vocab_size, cache_dir)
-    if dist.is_initialized():
-        dist.barrier()
-    return tokenizer or cached_tokenizer(key, (), data.tokenizer.vocab_size, cache_dir)
+    texts = tokenizer_sample(data, progress=False)  # a generator: read only if not cached
+    return cached_tokenizer(key, texts, data.tokenizer.vocab_size, cache_dir)
 
 
 def tokenizer_sample(data: DataConfig, progress: bool = True) -> Iterator[str]:

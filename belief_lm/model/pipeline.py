@@ -63,13 +63,19 @@ def build_pipeline(
     tensor_parallel: int,
     seed: int,
 ) -> PipelineModule:
-    """This rank's stage of the pipelined model; decoder layers are balanced over stages."""
-    return PipelineModule(
+    """This rank's stage of the pipelined model; decoder layers are balanced over stages.
+    The output stage's copy of a tied embedding is marked `pipeline_duplicate`: sums over
+    the whole model (parameter count, gradient norm) must not count it twice."""
+    stage = PipelineModule(
         layers=layer_specs(model, vocab_size, tensor_parallel, seed),
         topology=topology,
         loss_fn=lm_loss,
         partition_method="type:DecoderLayer",
     )
+    if stage.stage_id > 0:
+        for name, param in stage.named_parameters():
+            param.pipeline_duplicate = name.startswith("tied_modules.")
+    return stage
 
 
 def canonical_name(pipeline_name: str, num_layers: int) -> str | None:

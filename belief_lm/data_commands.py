@@ -1,4 +1,4 @@
-"""The data commands behind the CLI (which only parses arguments):
+"""The data commands behind the CLI (which only parses arguments and prints):
 
     belief-lm tokenizer train --config CONFIG --output MODEL [section.key=value ...]
     belief-lm prepare --config CONFIG --output DIR [--workers N] [--source I] [...]
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from belief_lm.config import Config
-from belief_lm.train.data import build_tokenizer, check_data, tokenizer_sample
+from data_pipeline.build import build_tokenizer, check_data, tokenizer_sample
 from data_pipeline.prepared import PreparedSource, prepare
 from data_pipeline.sources import open_source
 from data_pipeline.tokenizer import Tokenizer, train_tokenizer

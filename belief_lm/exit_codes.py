@@ -1,0 +1,16 @@
+"""Exit codes of the `belief-lm` command: what a job script or scheduler acts on.
+
+Torch-free, so job submission (the sbatch template requeues on PREEMPTED) and tests read
+them without the training stack.
+"""
+
+DONE = 0
+"""The command finished."""
+FAILED = 1
+"""Failed while running (a crash, or too many non-finite steps; the last good state was
+saved where a checkpoint could be written)."""
+BAD_INPUT = 2
+"""Bad command line, config, data or checkpoint, found before any work: nothing was run."""
+PREEMPTED = 75
+"""Stopped by SIGTERM or SIGUSR1 after saving a checkpoint (EX_TEMPFAIL, 'try again
+later'): requeue the job and it resumes from there."""

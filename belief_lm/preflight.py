@@ -1,0 +1,176 @@
+"""Every check of a run that needs no work, in one place and without torch.
+
+`preflight(cfg, world_size)` is what `train`, `launch local`, `launch slurm` and `config`
+run before anything starts: the layout arithmetic (world = TP x PP x DP, the global batch
+from micro-batches and accumulation), what DeepSpeed's engines can run, the precision on
+this device kind, and whether the checkpoint a resume would load fits this run. A job that
+passes here does not fail at start-up for one of these reasons, and one that would is
+refused before it waits in a queue. (torchtitan's ParallelDims plays the same part.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from belief_lm.checkpoint.files import (
+    CheckpointError,
+    CheckpointInfo,
+    newest_checkpoint,
+    read_info,
+)
+from belief_lm.config import Config
+from belief_lm.parallel.dims import ParallelDims
+
+RUNTIME_ONLY = {"name", "fused_projections"}
+"""Model-config keys that do not change the architecture (free to differ on resume)."""
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """The checkpoint a run continues from, and whether it needs the universal path."""
+
+    path: Path
+    info: CheckpointInfo
+    other_layout: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What pre-flight worked out: the layout, the accumulation, the precision, the resume."""
+
+    dims: ParallelDims
+    grad_accumulation: int
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    bf16: bool | None
+    """Whether the run computes in bf16 (None: the device is not known yet)."""
+    resume: ResumePlan | None
+
+
+def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> Plan:
+    """Check `cfg` for a job of `world_size` processes on `device_type` ('cuda', 'cpu', or
+    None when not known yet, as at submission). Raises ValueError (CheckpointError for the
+    checkpoint) naming the options to change."""
+    check_engine_settings(cfg)  # the config alone first, then against the job's size
+    dims = ParallelDims(world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
+    check_tensor_split(cfg)
+    accumulation = grad_accumulation_steps(cfg, dims.data)
+    bf16 = None if device_type is None else use_bf16(cfg.train.precision, device_type)
+    resume = plan_resume(cfg, dims)
+    if resume is not None:
+        check_data_stream_resumes(resume, dims)
+    return Plan(dims, accumulation, bf16, resume)
+
+
+def grad_accumulation_steps(cfg: Config, data_parallel: int) -> int:
+    """Micro-batches per optimizer step on each rank: global / (micro x data-parallel)."""
+    per_step = cfg.train.micro_batch_size * data_parallel
+    if cfg.train.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "
+            f"train.micro_batch_size ({cfg.train.micro_batch_size}) x data-parallel size "
+            f"({data_parallel})"
+        )
+    return cfg.train.global_batch_size // per_step
+
+
+def check_engine_settings(cfg: Config) -> None:
+    """Combinations DeepSpeed or the model cannot run, refused before any work."""
+    parallel, model = cfg.parallel, cfg.model
+    if parallel.pipeline > 1 and parallel.zero_stage > 1:
+        raise ValueError(
+            f"parallel.zero_stage={parallel.zero_stage} cannot be combined with "
+            f"parallel.pipeline={parallel.pipeline}: DeepSpeed's pipeline engine "
+            "supports ZeRO stage 0 or 1"
+        )
+    if parallel.pipeline > model.num_layers:
+        raise ValueError(
+            f"parallel.pipeline ({parallel.pipeline}) exceeds model.num_layers "
+            f"({model.num_layers}): every stage needs a decoder layer"
+        )
+
+
+def check_tensor_split(cfg: Config) -> None:
+    """Tensor parallelism splits the heads and KV groups over its ranks: they must divide."""
+    parallel, model = cfg.parallel, cfg.model
+    for name, count in (("num_attention_heads", model.num_attention_heads),
+                        ("query groups (num_query_groups)", model.query_groups)):  # fmt: skip
+        if count % parallel.tensor:
+            raise ValueError(
+                f"model.{name} ({count}) is not divisible by parallel.tensor "
+                f"({parallel.tensor}): heads are split over tensor-parallel ranks"
+            )
+
+
+def use_bf16(precision: str, device_type: str) -> bool:
+    """Resolve train.precision on a device kind (auto: bf16 on GPU, fp32 on CPU)."""
+    if precision == "bf16" and device_type != "cuda":
+        raise ValueError("train.precision=bf16 needs a GPU; use fp32 or auto on CPU")
+    return precision == "bf16" or (precision == "auto" and device_type == "cuda")
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    """Where a run keeps its checkpoints."""
+    return Path(cfg.run.output_dir).expanduser() / "checkpoints"
+
+
+def plan_resume(cfg: Config, dims: ParallelDims) -> ResumePlan | None:
+    """The checkpoint `checkpoint.resume` picks, checked against this run: the same model
+    and data, and a layout change its weights and optimizer state can make. None for a
+    fresh start."""
+    choice = cfg.checkpoint.resume
+    if choice == "never":
+        return None
+    if choice == "auto":
+        path = newest_checkpoint(checkpoint_root(cfg))
+        if path is None:
+            return None
+    else:
+        path = Path(choice).expanduser()
+    info = read_info(path)
+    check_same_run(cfg, path)
+    saved = (info.tensor, info.pipeline, info.data, info.zero_stage)
+    now = (dims.tensor, dims.pipeline, dims.data, cfg.parallel.zero_stage)
+    other_layout = saved != now
+    if other_layout and (cfg.parallel.zero_stage not in (1, 2) or info.zero_stage not in (1, 2)):
+        raise CheckpointError(
+            f"resuming checkpoint {path} (ZeRO {info.zero_stage}, TP{info.tensor} x "
+            f"PP{info.pipeline}) on another layout goes through DeepSpeed's universal "
+            f"checkpoints, which need ZeRO stage 1 or 2 on both sides "
+            f"(parallel.zero_stage={cfg.parallel.zero_stage})"
+        )
+    return ResumePlan(path, info, other_layout)
+
+
+def check_data_stream_resumes(resume: ResumePlan, dims: ParallelDims) -> None:
+    """The training data stream continues only at the data-parallel size that saved it."""
+    if resume.info.data != dims.data:
+        raise CheckpointError(
+            f"checkpoint {resume.path} was saved with data-parallel size {resume.info.data}; "
+            f"this job has {dims.data}. The data stream is sharded per data-parallel rank, so "
+            f"it cannot continue without losing or repeating documents: choose a layout "
+            f"with data-parallel size {resume.info.data}"
+        )
+
+
+def check_same_run(cfg: Config, path: Path) -> None:
+    """The model and data sections must be the ones checkpoint `path` was trained with."""
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise CheckpointError(f"checkpoint {path}: unreadable config.yaml ({err})") from None
+    current = cfg.model_dump(mode="json")
+    for section in ("model", "data"):
+        old = saved.get(section, {})
+        differ = sorted(
+            f"{section}.{k} (checkpoint: {old.get(k)!r}, now: {v!r})"
+            for k, v in current[section].items()
+            if old.get(k) != v and k not in RUNTIME_ONLY
+        )
+        if differ:
+            raise CheckpointError(
+                f"checkpoint {path} was trained with a different {section} config: "
+                + "; ".join(differ)
+            )
