@@ -13,8 +13,9 @@
     belief-lm export --checkpoint STEP_DIR --format hf|torch --output PATH
 
 Exit codes (belief_lm/exit_codes.py): 0 done; 1 failed while running; 2 bad command line,
-config, data or checkpoint (nothing was run); 75 stopped by SIGTERM/SIGUSR1 after saving a
-checkpoint (requeue the job: it resumes from there).
+config, data or checkpoint (nothing was run); 65 a data source failed mid-run (the last
+completed step was saved; the message names the source, file and row); 75 stopped by
+SIGTERM/SIGUSR1 after saving a checkpoint (requeue the job: it resumes from there).
 
 This module parses, calls a library function and prints; the work is elsewhere.
 """
@@ -204,7 +205,7 @@ def _from_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _train(cfg: Config) -> int:
-    from belief_lm.train.loop import NonFiniteLossError, train
+    from belief_lm.train.loop import DataStop, NonFiniteLossError, train
     from belief_lm.train.signals import Preempted
 
     try:
@@ -215,6 +216,9 @@ def _train(cfg: Config) -> int:
     except NonFiniteLossError as err:
         print(f"belief-lm: {err}", file=sys.stderr)
         return exit_codes.FAILED
+    except DataStop as err:
+        print(f"belief-lm: data fault: {err}", file=sys.stderr)
+        return exit_codes.DATA_FAULT
     losses = list(result.losses.values())
     if losses:
         logging.getLogger("belief_lm").info(

@@ -11,6 +11,10 @@ FAILED = 1
 saved where a checkpoint could be written)."""
 BAD_INPUT = 2
 """Bad command line, config, data or checkpoint, found before any work: nothing was run."""
+DATA_FAULT = 65
+"""A data source failed mid-run (too many unusable rows, a corrupt row group with
+data.on_corrupt_row_group=stop, a vanished file, an unreachable hub): the last completed
+step was saved; the message names the source, file and row (EX_DATAERR)."""
 PREEMPTED = 75
 """Stopped by SIGTERM or SIGUSR1 after saving a checkpoint (EX_TEMPFAIL, 'try again
 later'): requeue the job and it resumes from there."""

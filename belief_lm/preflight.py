@@ -24,8 +24,11 @@ from belief_lm.checkpoint.files import (
 from belief_lm.config import Config
 from belief_lm.parallel.dims import ParallelDims
 
-RUNTIME_ONLY = {"name", "fused_projections"}
-"""Model-config keys that do not change the architecture (free to differ on resume)."""
+RUNTIME_ONLY = {
+    "model": {"name", "fused_projections"},
+    "data": {"num_workers", "max_skipped_fraction", "skip_check_min_rows", "on_corrupt_row_group"},
+}
+"""Keys that do not change the architecture or the data's order (free to differ on resume)."""
 
 
 @dataclass(frozen=True)
@@ -56,24 +59,48 @@ def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> P
     check_engine_settings(cfg)  # the config alone first, then against the job's size
     dims = ParallelDims(world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
     check_tensor_split(cfg)
+    check_readers(cfg, dims.data)
     accumulation = grad_accumulation_steps(cfg, dims.data)
     bf16 = None if device_type is None else use_bf16(cfg.train.precision, device_type)
-    resume = plan_resume(cfg, dims)
-    if resume is not None:
-        check_data_stream_resumes(resume, dims)
-    return Plan(dims, accumulation, bf16, resume)
+    return Plan(dims, accumulation, bf16, plan_resume(cfg, dims))
 
 
 def grad_accumulation_steps(cfg: Config, data_parallel: int) -> int:
     """Micro-batches per optimizer step on each rank: global / (micro x data-parallel)."""
     per_step = cfg.train.micro_batch_size * data_parallel
-    if cfg.train.global_batch_size % per_step:
+    batch = cfg.train.global_batch_size
+    if batch % per_step:
+        micro = [
+            m for m in range(1, batch // data_parallel + 1) if batch % (m * data_parallel) == 0
+        ]
         raise ValueError(
-            f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "
+            f"train.global_batch_size ({batch}) must be a multiple of "
             f"train.micro_batch_size ({cfg.train.micro_batch_size}) x data-parallel size "
-            f"({data_parallel})"
+            f"({data_parallel}); micro-batch sizes that work here: "
+            f"{', '.join(map(str, micro)) or 'none (the data-parallel size does not divide it)'}"
         )
-    return cfg.train.global_batch_size // per_step
+    return batch // per_step
+
+
+def readers(cfg: Config) -> int:
+    """The run's logical data readers (data.readers, or one per global-batch sequence)."""
+    return cfg.data.readers or cfg.train.global_batch_size
+
+
+def check_readers(cfg: Config, data_parallel: int) -> None:
+    """Every step takes global_batch / readers windows from every reader, and a reader
+    lives on one data-parallel rank: readers must divide the global batch and be shared
+    evenly by the data-parallel ranks."""
+    count, batch = readers(cfg), cfg.train.global_batch_size
+    if batch % count:
+        raise ValueError(f"data.readers ({count}) must divide train.global_batch_size ({batch})")
+    if count % data_parallel:
+        sizes = [d for d in range(1, count + 1) if count % d == 0]
+        raise ValueError(
+            f"the data-parallel size ({data_parallel}) must divide the run's {count} data "
+            f"readers (data.readers); data-parallel sizes that work: "
+            f"{', '.join(map(str, sizes))}"
+        )
 
 
 def check_engine_settings(cfg: Config) -> None:
@@ -131,10 +158,11 @@ def plan_resume(cfg: Config, dims: ParallelDims) -> ResumePlan | None:
         path = Path(choice).expanduser()
     info = read_info(path)
     check_same_run(cfg, path)
-    saved = (info.tensor, info.pipeline, info.data, info.zero_stage)
-    now = (dims.tensor, dims.pipeline, dims.data, cfg.parallel.zero_stage)
-    other_layout = saved != now
-    if other_layout and (cfg.parallel.zero_stage not in (1, 2) or info.zero_stage not in (1, 2)):
+    zero = cfg.parallel.zero_stage
+    moved = (info.tensor, info.pipeline, info.zero_stage) != (dims.tensor, dims.pipeline, zero)
+    # ZeRO 1-3 partition the optimizer (and more) over the data-parallel ranks
+    other_layout = moved or (info.data != dims.data and zero > 0)
+    if other_layout and (zero not in (1, 2) or info.zero_stage not in (1, 2)):
         raise CheckpointError(
             f"resuming checkpoint {path} (ZeRO {info.zero_stage}, TP{info.tensor} x "
             f"PP{info.pipeline}) on another layout goes through DeepSpeed's universal "
@@ -142,17 +170,6 @@ def plan_resume(cfg: Config, dims: ParallelDims) -> ResumePlan | None:
             f"(parallel.zero_stage={cfg.parallel.zero_stage})"
         )
     return ResumePlan(path, info, other_layout)
-
-
-def check_data_stream_resumes(resume: ResumePlan, dims: ParallelDims) -> None:
-    """The training data stream continues only at the data-parallel size that saved it."""
-    if resume.info.data != dims.data:
-        raise CheckpointError(
-            f"checkpoint {resume.path} was saved with data-parallel size {resume.info.data}; "
-            f"this job has {dims.data}. The data stream is sharded per data-parallel rank, so "
-            f"it cannot continue without losing or repeating documents: choose a layout "
-            f"with data-parallel size {resume.info.data}"
-        )
 
 
 def check_same_run(cfg: Config, path: Path) -> None:
@@ -167,10 +184,17 @@ def check_same_run(cfg: Config, path: Path) -> None:
         differ = sorted(
             f"{section}.{k} (checkpoint: {old.get(k)!r}, now: {v!r})"
             for k, v in current[section].items()
-            if old.get(k) != v and k not in RUNTIME_ONLY
+            if old.get(k) != v and k not in RUNTIME_ONLY[section]
         )
         if differ:
             raise CheckpointError(
                 f"checkpoint {path} was trained with a different {section} config: "
                 + "; ".join(differ)
             )
+    batch = saved.get("train", {}).get("global_batch_size")
+    if batch != cfg.train.global_batch_size:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with train.global_batch_size={batch}, this run "
+            f"has {cfg.train.global_batch_size}: a run keeps its global batch (the data order "
+            "is laid out in it); the micro-batch size and the layout may change"
+        )

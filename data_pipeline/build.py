@@ -13,10 +13,17 @@ import torch
 from tqdm import tqdm
 
 from data_pipeline.config import DataConfig
-from data_pipeline.loader import TrainData
+from data_pipeline.loader import SINGLE, Collective, Plan, TrainData
 from data_pipeline.prepared import PreparedSource
-from data_pipeline.sources import SourceError, open_source
-from data_pipeline.stream import DocumentStream, MixedWindows, StreamSettings
+from data_pipeline.sources import DataFault, SourceError, open_source
+from data_pipeline.stream import (
+    DocumentReader,
+    StreamSettings,
+    epoch_shares,
+    skip_problem,
+    slot_source,
+    stream_for,
+)
 from data_pipeline.tokenizer import Tokenizer, cached_tokenizer
 
 
@@ -57,52 +64,73 @@ def build_tokenizer(data: DataConfig, cache_dir: str) -> Tokenizer:
 
 def tokenizer_sample(data: DataConfig, progress: bool = True) -> Iterator[str]:
     """The first data.tokenizer.sample_documents training documents, shared out over the
-    sources by weight, each source read in its epoch-0 order (a progress bar if asked)."""
+    sources by weight, each source read in its epoch-0 order (a progress bar if asked).
+    Raises ValueError if a source has no usable document or too many unusable rows."""
     total = data.tokenizer.sample_documents
     weights = [s.weight for s in data.sources]
-    settings = StreamSettings(
-        window=2,
-        split="train",
-        validation_fraction=data.validation_fraction,
-        seed=data.seed,
-        max_skipped_fraction=data.max_skipped_fraction,
-        epochs=1,
-    )
     with tqdm(total=total, desc="tokenizer sample", unit="doc", disable=not progress) as bar:
-        for cfg, weight in zip(data.sources, weights, strict=True):
+        for i, (cfg, weight) in enumerate(zip(data.sources, weights, strict=True)):
             source = open_source(cfg)
             if isinstance(source, PreparedSource):
                 raise ValueError(f"{cfg.uri}: prepared data has no text to train a tokenizer on")
-            batches = DocumentStream(source, 0, 1, settings)
-            docs = itertools.chain.from_iterable(batches)
-            for doc in itertools.islice(docs, round(total * weight / sum(weights))):
-                bar.update()
-                yield doc.text
+            settings = _settings(data, 1, "train", readers=1)
+            units = source.units()
+            reader = DocumentReader(
+                source, [units[u] for u in epoch_shares(units, 1, data.seed, 0)[0]], settings
+            )
+            wanted, taken = round(total * weight / sum(weights)), 0
+            try:
+                for doc, *_ in itertools.islice(reader.documents(), wanted):
+                    taken += 1
+                    bar.update()
+                    yield doc.text
+            except DataFault as err:
+                raise ValueError(f"data.sources.{i}: {err}") from None
+            problem = skip_problem(  # the whole source, if the sample took all of it
+                cfg.uri, reader.counts, data.max_skipped_fraction, data.skip_check_min_rows,
+                whole=taken < wanted,
+            )  # fmt: skip
+            if wanted and not taken:
+                problem = problem or (
+                    f"{cfg.uri}: no usable training document in {reader.counts['rows']} rows "
+                    f"({_describe(reader.counts)})"
+                )
+            if problem:
+                raise ValueError(f"data.sources.{i}: {problem}")
 
 
 def build_train_data(
     data: DataConfig,
     tokenizer: Tokenizer,
     seq_len: int,
+    global_batch_size: int,
     micro_batch_size: int,
     dp_rank: int,
     dp_size: int,
     device: torch.device,
+    collective: Collective = SINGLE,
 ) -> TrainData:
-    """This data-parallel rank's endless, resumable training micro-batches (see TrainData)."""
-    settings = _settings(data, seq_len, split="train", epochs=None)
-    dataset = _windows(data, tokenizer, settings, dp_rank, dp_size)
-    layout = {
-        "dp_rank": dp_rank,
-        "dp_size": dp_size,
-        "num_workers": data.num_workers,
+    """This data-parallel rank's training steps (see TrainData): data.readers logical
+    readers (default: one per sequence of the global batch), this rank's share of them."""
+    readers = data.readers or global_batch_size
+    settings = _settings(data, seq_len + 1, "train", readers=readers)
+    sources = _open(data, tokenizer, settings)
+    plan = Plan(readers, global_batch_size, dp_rank, dp_size)
+    layout = {  # what the positions in a saved state are positions of
+        "readers": readers,
+        "global_batch_size": global_batch_size,
         "seq_len": seq_len,
         "seed": data.seed,
         "validation_fraction": data.validation_fraction,
         "sources": [s.uri for s in data.sources],
-        "source_sizes": [s.size() for s in dataset.sources],  # files added or removed
+        "weights": [s.weight for s in data.sources],
+        "data": [source.fingerprint() for source in sources],  # files added or changed
     }
-    return TrainData(dataset, micro_batch_size, data.num_workers, device, layout)
+    return TrainData(
+        sources, [s.weight for s in data.sources], tokenizer, settings, plan, micro_batch_size,
+        data.num_workers, device, layout, max_skipped_fraction=data.max_skipped_fraction,
+        skip_check_min_rows=data.skip_check_min_rows, collective=collective,
+    )  # fmt: skip
 
 
 def build_validation_data(
@@ -110,44 +138,56 @@ def build_validation_data(
     tokenizer: Tokenizer,
     seq_len: int,
     micro_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
     device: torch.device,
     max_batches: int,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Up to max_batches (tokens, labels) micro-batches of held-out documents for this rank:
-    the same every call, never seen in training. Empty when validation_fraction is 0."""
+    """Up to max_batches (tokens, labels) micro-batches of held-out documents: the same
+    every call and at every layout (one reader over each source's held-out documents),
+    never seen in training. Empty when validation_fraction is 0."""
     if data.validation_fraction == 0:
         return []
-    settings = _settings(data, seq_len, split="validation", epochs=1)
-    windows = iter(_windows(data, tokenizer, settings, dp_rank, dp_size))
+    settings = _settings(data, seq_len + 1, "validation", readers=1)
+    sources = _open(data, tokenizer, settings)
+    weights = [s.weight for s in data.sources]
+    streams = [stream_for(source, tokenizer, 0, settings).windows(epochs=1) for source in sources]
+    windows, active, slot = [], set(range(len(sources))), 0
+    while active and len(windows) < max_batches * micro_batch_size:
+        s = slot_source(slot, weights)
+        slot += 1
+        if s not in active:
+            continue
+        window = next(streams[s], None)
+        if window is None or window.last:
+            active.discard(s)
+        if window is not None and len(window.tokens) == settings.window:
+            windows.append(torch.from_numpy(window.tokens.astype("int64")))
     batches = []
-    for _ in range(max_batches):
-        chunk = list(itertools.islice(windows, micro_batch_size))
-        if len(chunk) < micro_batch_size:
-            break
-        stacked = torch.stack(chunk).to(device)
+    for start in range(0, len(windows) - micro_batch_size + 1, micro_batch_size):
+        stacked = torch.stack(windows[start : start + micro_batch_size]).to(device)
         batches.append((stacked[:, :-1], stacked[:, 1:]))
     return batches
 
 
-def _settings(data: DataConfig, seq_len: int, split: str, epochs: int | None) -> StreamSettings:
+def _settings(data: DataConfig, window: int, split: str, readers: int) -> StreamSettings:
     return StreamSettings(
-        window=seq_len + 1,
+        window=window,
         split=split,
         validation_fraction=data.validation_fraction,
         seed=data.seed,
-        max_skipped_fraction=data.max_skipped_fraction,
-        epochs=epochs,
+        readers=readers,
+        on_corrupt_row_group=data.on_corrupt_row_group,
     )
 
 
-def _windows(
-    data: DataConfig, tokenizer: Tokenizer, settings: StreamSettings, rank: int, world: int
-) -> MixedWindows:
+def _open(data: DataConfig, tokenizer: Tokenizer, settings: StreamSettings) -> list:
+    """The sources, with files and units (or megatron's indices) resolved before workers."""
     sources = [open_source(cfg) for cfg in data.sources]
     for source in sources:
         if isinstance(source, PreparedSource):
             source.check_tokenizer(tokenizer)
-    weights = [cfg.weight for cfg in data.sources]
-    return MixedWindows(sources, weights, tokenizer, settings, rank, world)
+        source.open(settings)
+    return sources
+
+
+def _describe(counts) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v) or "nothing read"

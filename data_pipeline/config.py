@@ -81,10 +81,25 @@ class DataConfig(Section):
     seed: int = 1234
     """Seed of the document order and of the mixture."""
     num_workers: int = Field(1, ge=0)
-    """DataLoader worker processes per rank that read and tokenize; 0: in the training process."""
+    """DataLoader worker processes per rank that read and tokenize; 0: in the training
+    process (may change on resume)."""
+    readers: PositiveInt | None = None
+    """Logical readers: independent positions in the data, R of them, each contributing
+    global_batch_size / R sequences per step and served by whichever rank and worker the
+    layout gives it; None: one per sequence of train.global_batch_size. Fixed for a run
+    (a checkpoint records it): the data-parallel size of any later layout must divide it."""
     max_skipped_fraction: float = Field(0.01, ge=0, le=1)
-    """Stop with an error when more than this share of a source's rows is unusable
-    (corrupt, not UTF-8, empty)."""
+    """Stop (saving the last step) when more than this share of a source's rows is
+    unusable (corrupt, not UTF-8, empty, in a corrupt row group). Judged on the rows of all
+    ranks: once skip_check_min_rows were read, when the share is above this with 3-sigma
+    confidence (an early cluster of bad rows does not stop a clean source); once the
+    source was read whole, on its exact share."""
+    skip_check_min_rows: PositiveInt = 1000
+    """Rows of a source read before its unusable share is judged (a fair sample: an early
+    cluster of bad rows in a clean corpus does not stop a run)."""
+    on_corrupt_row_group: Literal["skip", "stop"] = "skip"
+    """A parquet row group (or a compressed file) that cannot be read: skip it, counting
+    its rows as unusable, or stop the run (saving the last step)."""
 
     @field_validator("sources", mode="before")
     @classmethod

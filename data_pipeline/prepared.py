@@ -4,8 +4,9 @@
 and DIR/validation.{bin,idx} (the same id-hash split as streaming), plus the tokenizer and
 meta.json. `PreparedSource` reads it back as windows through megatron-core's GPTDataset
 (documents concatenated with EOS, cut into seq_len + 1 samples, globally shuffled by its
-seeded shuffle index); stream s of S takes samples s, s + S, ... so it mixes, shards and
-resumes like the streaming sources.
+seeded shuffle index); logical reader r of R takes samples r, r + R, ... of each epoch's
+order, so its position is the number of samples of megatron's global shuffle consumed,
+and it mixes, shards and resumes like the streaming sources.
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ import numpy as np
 from tqdm import tqdm
 
 from data_pipeline.documents import split_of
-from data_pipeline.sources import Source, SourceError
-from data_pipeline.stream import DocumentStream, StreamSettings
+from data_pipeline.sources import Source, SourceError, batched
+from data_pipeline.stream import (
+    READ_BATCH,
+    DocumentReader,
+    StreamSettings,
+    Window,
+    skip_problem,
+    start_state,
+)
 from data_pipeline.tokenizer import Tokenizer, encode_in_process, load_in_process
 
 if TYPE_CHECKING:
@@ -58,10 +66,8 @@ def prepare(
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builders = {s: IndexedDatasetBuilder(str(output / f"{s}.bin"), dtype=dtype) for s in SPLITS}
     totals: Counter = Counter()
-    settings = StreamSettings(
-        window=2, split=None, max_skipped_fraction=max_skipped_fraction, epochs=1
-    )
-    documents = DocumentStream(source, 0, 1, settings)
+    reader = DocumentReader(source, source.units(), StreamSettings(window=2, split=None))
+    documents = (batch for batch in batched(reader.documents(), READ_BATCH))
     # spawn: no inherited threads or locks; the workers import only the tokenizer module
     context = multiprocessing.get_context("spawn")
     with (
@@ -80,12 +86,16 @@ def prepare(
                 totals[f"{split}_tokens"] += len(piece)
             bar.update(len(batch))
 
-        for batch in documents:
+        for rows in documents:
+            batch = [doc for doc, *_ in rows]
             pending.append((batch, pool.apply_async(encode_in_process, ([d.text for d in batch],))))
             if len(pending) >= 4 * workers:
                 write_oldest()
         while pending:
             write_oldest()
+    problem = skip_problem(source.cfg.uri, reader.counts, max_skipped_fraction, 0, whole=True)
+    if problem:
+        raise ValueError(problem)
     for split, builder in builders.items():
         builder.finalize(str(output / f"{split}.idx"))
     shutil.copyfile(tokenizer.path, output / "tokenizer.model")
@@ -94,7 +104,7 @@ def prepare(
         "tokenizer_sha256": tokenizer.sha256,
         "vocab_size": tokenizer.vocab_size,
         "validation_fraction": validation_fraction,
-        "rows": dict(documents.counts),
+        "rows": dict(reader.counts),
         **totals,
     }
     (output / META).write_text(json.dumps(meta, indent=2) + "\n")
@@ -190,45 +200,49 @@ class PreparedSource:
             raise RuntimeError(f"{self!r}.open() was not called for the {split} split")
         return self._datasets[split]
 
-    def windows(
-        self, tokenizer: Tokenizer | None, stream: int, num_streams: int, settings: StreamSettings
-    ) -> PreparedWindows:
-        samples = self.samples(settings.split or "train")
-        return PreparedWindows(samples, stream, num_streams, settings)
+    def fingerprint(self) -> list:
+        """What a saved reading position is valid for: the prepared token counts."""
+        return [self.size()]
+
+    def stream(self, reader: int, settings: StreamSettings, state: dict | None = None):
+        """Logical reader `reader`'s windows of the prepared split (see PreparedStream)."""
+        return PreparedStream(self.samples(settings.split or "train"), reader, settings, state)
 
 
-class PreparedWindows:
-    """A prepared source's windows for one stream: samples stream, stream + S, ... of
-    megatron's shuffled epoch; later epochs visit the same share in a seeded new order."""
+class PreparedStream:
+    """A prepared source's windows for one logical reader: samples r, r + R, ... of each
+    epoch's order (epoch 0: megatron's shuffle; later epochs: a seeded permutation of it),
+    with the same interface and states as `stream.SourceStream`."""
 
-    def __init__(self, dataset: GPTDataset | None, stream: int, num_streams: int, settings):
-        self.dataset, self.stream, self.num_streams = dataset, stream, num_streams
-        self.settings = settings
-        self.epoch, self.index, self.counts = 0, 0, Counter()
+    def __init__(self, dataset: GPTDataset | None, reader: int, settings, state=None):
+        self.dataset, self.reader, self.settings = dataset, reader, settings
+        self.state = dict(state or start_state())
 
-    def _order(self, epoch: int) -> np.ndarray:
-        share = np.arange(self.stream, len(self.dataset or ()), self.num_streams)
-        if epoch == 0:
-            return share
-        return np.random.default_rng([self.settings.seed, self.stream, epoch]).permutation(share)
+    def _share(self, epoch: int) -> np.ndarray:
+        size = len(self.dataset or ())
+        order = np.arange(size) if epoch == 0 else (
+            np.random.default_rng([self.settings.seed, epoch]).permutation(size)
+        )  # fmt: skip
+        return order[self.reader :: self.settings.readers]
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        epochs = self.settings.epochs
-        while epochs is None or self.epoch < epochs:
-            order = self._order(self.epoch)
-            if epochs is None and not len(order):
-                raise ValueError(f"no prepared samples for stream {self.stream}")
-            while self.index < len(order):
-                sample = self.dataset[int(order[self.index])]
-                self.index += 1
+    def windows(self, epochs: int | None = None) -> Iterator[Window]:
+        epoch, index = self.state["epoch"], self.state.get("index", 0)
+        counts = Counter(self.state["counts"])
+        while epochs is None or epoch < epochs:
+            share = self._share(epoch)
+            if not len(share):
+                yield Window(np.empty(0, np.int32), True, _prepared(epoch + 1, 0, counts))
+            while index < len(share):
+                sample = self.dataset[int(share[index])]
                 window = np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
-                self.counts["tokens"] += len(window)
-                yield window
-            self.epoch, self.index = self.epoch + 1, 0
+                index += 1
+                counts["tokens"] += len(window)
+                counts["samples"] += 1
+                last = index == len(share)
+                state = _prepared(epoch + 1, 0, counts) if last else _prepared(epoch, index, counts)
+                yield Window(window.astype(np.int32), last, state)
+            epoch, index = epoch + 1, 0
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "counts": dict(self.counts)}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
-        self.counts = Counter(state["counts"])
+def _prepared(epoch: int, index: int, counts) -> dict:
+    return {"epoch": epoch, "index": index, "counts": dict(counts)}

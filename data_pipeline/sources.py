@@ -1,11 +1,17 @@
-"""Document sources: the Hugging Face hub, local files, the embedded corpus.
+"""Document sources: the Hugging Face hub, local files, the embedded corpus, cut into units.
 
-Every source is a `datasets.IterableDataset` in streaming mode, so sharding, positions and
-resume are the library's: the hub (`load_dataset(repo, name, streaming=True)`) and local
-parquet (`load_dataset("parquet", data_files=...)`) share the parquet reader and everything
-after it. JSON lines and text files are read by our own generators (wrapped as datasets)
-because the library's JSON reader fails a whole file on one corrupt line, while we skip and
-count bad rows; both yield raw bytes that `RowParser` decodes.
+A source is read as a list of *units*, each a piece of it that can be read on its own from
+its start: a parquet row range inside one row group, a byte range of an uncompressed JSON
+lines / text file (lines are assigned to the range they start in), a whole compressed
+file, a range of the embedded corpus's documents. Units are what the readers of a run
+share out per epoch (`data_pipeline/stream.py`), so every row of an epoch is read exactly
+once whatever the layout, and units carry their size (rows or bytes) for balancing.
+
+The hub is reached through `datasets` only to resolve a dataset's files
+(`load_dataset_builder(repo, name)`: its README configs, data files and revision); the
+files themselves, hub or local, are read with pyarrow (parquet) and fsspec, the same code
+for both. JSON lines and text are parsed by `RowParser`, so a corrupt line is skipped and
+counted, not fatal.
 
 `check()` is the pre-flight: it reads only metadata or first rows and raises `SourceError`
 naming the config key, file and column.
@@ -20,28 +26,31 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import datasets
 import fsspec
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from datasets.distributed import split_dataset_by_node
 
 from data_pipeline.documents import RowParser, parse_filter
 from data_pipeline.embedded import embedded_documents
-from data_pipeline.stream import SourceWindows, StreamSettings
-from data_pipeline.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from data_pipeline.config import SourceConfig
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_SHARDS = 64
-"""The embedded corpus is cut into this many strided shards so workers can share it."""
+EMBEDDED_UNIT = 16
+"""Documents per unit of the embedded corpus."""
+PARQUET_BATCH = 64
+"""Rows decoded at a time from a parquet row group."""
+CHECKED_LINES = 100
+"""Lines of a JSON lines file the pre-flight reads for its columns."""
+RETRIES = 3
+"""Attempts at opening or reading a remote file (with 1, 2, 4 s pauses) before it fails."""
 _EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".txt": "text"}
 _COMPRESSIONS = (".gz", ".zst")
 _TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
@@ -55,45 +64,105 @@ class SourceError(ValueError):
         self.key = key
 
 
+class DataFault(RuntimeError):
+    """Data that failed while a run was reading it (a corrupt row group, a vanished file,
+    an unreachable hub, too many unusable rows): the message names the source and where."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of a source readable from its start: rows [start, stop) of parquet row group
+    `group` of file `file`; bytes [start, stop) of a line file (stop None: to the end, as
+    for a compressed file); documents [start, stop) of the embedded corpus (file -1)."""
+
+    file: int
+    group: int
+    start: int
+    stop: int | None
+    size: int
+    """Rows or bytes: what readers are balanced by."""
+
+
 class Source:
-    """One configured source: how to open it as a dataset and parse its rows."""
+    """One configured source: its files, its units and how to read and parse their rows."""
 
     def __init__(self, cfg: SourceConfig):
         self.cfg = cfg
         self.kind, self.location, self.config_name = _parse_uri(cfg)
-        raw = {"jsonl": "json", "text": "text"}.get(self.kind)
-        id_column = "id" if self.kind == "embedded" else cfg.id_column
-        self.parser = RowParser(
-            cfg.text_column, id_column, [parse_filter(f) for f in cfg.filters], raw
-        )
-        self._dataset: datasets.IterableDataset | None = None
+        self.filters = [parse_filter(f) for f in cfg.filters]
+        self._files: list[str] | None = None
+        self._units: dict[int, list[Unit]] = {}
+        self._parser: RowParser | None = None
 
     def __repr__(self) -> str:
         return f"Source({self.cfg.uri!r})"
 
     @property
+    def file_format(self) -> str:
+        """parquet, jsonl, text or embedded (a hub dataset's files are parquet or jsonl)."""
+        if self.kind != "hub":
+            return self.kind
+        files = self.files()
+        return "jsonl" if _format_of(files[0]) == "jsonl" else "parquet"
+
+    @property
+    def parser(self) -> RowParser:
+        """Turns this source's rows into documents (a hub source's files decide the format)."""
+        if self._parser is None:
+            raw = {"jsonl": "json", "text": "text"}.get(self.file_format)
+            id_column = "id" if self.kind == "embedded" else self.cfg.id_column
+            self._parser = RowParser(self.cfg.text_column, id_column, self.filters, raw)
+        return self._parser
+
+    @property
     def columns(self) -> list[str]:
         """The columns this source needs from each row."""
-        cols = [self.cfg.text_column, self.cfg.id_column, *(f.column for f in self.parser.filters)]
+        cols = [self.cfg.text_column, self.cfg.id_column, *(f.column for f in self.filters)]
         return list(dict.fromkeys(c for c in cols if c is not None))
 
     def files(self) -> list[str]:
-        """The local files of a file source, sorted; a SourceError if none match."""
+        """The source's files, sorted (hub: the dataset's resolved data files); a
+        SourceError if there are none."""
+        if self._files is None:
+            self._files = self._hub_files() if self.kind == "hub" else self._local_files()
+        return self._files
+
+    def _local_files(self) -> list[str]:
+        if self.kind == "embedded":
+            return []
         files = sorted(glob.glob(os.path.expanduser(self.location), recursive=True))
         if not files:
             raise SourceError("uri", f"no files match {self.location!r}")
         return files
 
+    def _hub_files(self) -> list[str]:
+        import datasets  # slow to import; only the hub needs it
+
+        try:
+            builder = datasets.load_dataset_builder(self.location, self.config_name)
+        except Exception as err:  # network, auth, unknown repo/config: all fatal here
+            raise SourceError("uri", f"cannot open hub dataset {self.location!r}: {err}") from None
+        files = (builder.config.data_files or {}).get(self.cfg.hub_split)
+        if not files:
+            raise SourceError(
+                "hub_split", f"hub dataset {self.location!r} has no files for split "
+                f"{self.cfg.hub_split!r}"
+            )  # fmt: skip
+        formats = {_format_of(f) for f in files}
+        if formats - {"parquet", "jsonl"} or len(formats) > 1:
+            raise SourceError(
+                "uri", f"hub dataset {self.location!r}: files are {sorted(formats)}, "
+                "readable are parquet or JSON lines"
+            )  # fmt: skip
+        return sorted(str(f) for f in files)
+
     def check(self) -> None:
         """Pre-flight: the source opens and has the needed columns (metadata/first rows)."""
-        if self.kind == "hub":
-            self.dataset()  # resolves the files and checks the columns of the dataset's schema
-            return
-        for path in self.files() if self.kind != "embedded" else []:
+        for path in self.files():
             try:
-                if self.kind == "parquet":
+                if self.file_format == "parquet":
                     self._check_parquet(path)
-                elif self.kind == "jsonl":
+                elif self.file_format == "jsonl":
                     self._check_jsonl(path)
                 else:
                     with _binary(path) as f:
@@ -102,7 +171,7 @@ class Source:
                 raise SourceError("uri", f"cannot read {path}: {err}") from None
 
     def _check_parquet(self, path: str) -> None:
-        schema = pq.read_schema(path)
+        schema = _parquet_file(path).schema_arrow
         self._require_columns(path, schema.names)
         kind = schema.field(self.cfg.text_column).type
         if kind not in _TEXT_TYPES:
@@ -112,18 +181,24 @@ class Source:
             )
 
     def _check_jsonl(self, path: str) -> None:
+        """The columns of the first parseable row among the first CHECKED_LINES (a corrupt
+        line is skipped when training, so it need not stop the check)."""
         with _binary(path) as f:
-            line = next((x for x in f if x.strip()), b"")
-        try:
-            row = json.loads(line) if line else {}
-        except ValueError as err:
-            raise SourceError("uri", f"{path}: first line is not JSON: {err}") from None
-        if not isinstance(row, dict):
-            raise SourceError("uri", f"{path}: first line is not a JSON object")
-        self._require_columns(path, list(row))
+            lines = [x for x in itertools.islice(f, CHECKED_LINES) if x.strip()]
+        if not lines:
+            raise SourceError("uri", f"{path}: no rows (the file is empty)")
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                self._require_columns(path, list(row))
+                return
+        raise SourceError("uri", f"{path}: none of its first {len(lines)} rows is a JSON object")
 
     def _require_columns(self, where: str, present: list[str]) -> None:
-        filters = {f.column for f in self.parser.filters}
+        filters = {f.column for f in self.filters}
         for column in self.columns:
             if column not in present:
                 key = (
@@ -135,84 +210,62 @@ class Source:
                     key, f"{where}: no column {column!r} (columns: {', '.join(present)})"
                 )
 
-    def dataset(self) -> datasets.IterableDataset:
-        """The whole source as a streaming dataset, split into as many shards as it allows
-        (parquet: one per row group). Built once; opening a hub dataset needs the network."""
-        if self._dataset is None:
-            ds = self._open()
-            if self.kind in ("hub", "parquet"):
-                if ds.features is not None:
-                    self._require_columns(self.cfg.uri, list(ds.features))
-                ds = ds.select_columns(self.columns)
-            self._dataset = ds.reshard()
-        return self._dataset
+    def units(self, pieces: int = 1) -> list[Unit]:
+        """The source as units, in file order, cut so that none is larger than about
+        1/`pieces` of the whole (when its rows or bytes can be split at all). Read once
+        (file metadata) and kept: workers receive them with the source."""
+        if pieces not in self._units:
+            self._units[pieces] = self._read_units(pieces)
+        return self._units[pieces]
 
-    def _open(self) -> datasets.IterableDataset:
-        if self.kind == "hub":
-            try:
-                return datasets.load_dataset(
-                    self.location, self.config_name, split=self.cfg.hub_split, streaming=True
-                )
-            except Exception as err:  # network, auth, unknown repo/config: all fatal here
-                raise SourceError(
-                    "uri", f"cannot open hub dataset {self.location!r}: {err}"
-                ) from None
-        if self.kind == "parquet":
-            return datasets.load_dataset(
-                "parquet", data_files=self.files(), split="train", streaming=True
-            )
+    def open(self, settings) -> None:
+        """Resolve files and units once, in the main process, before workers start."""
+        from data_pipeline.stream import UNITS_PER_READER
+
+        self.units(settings.readers * UNITS_PER_READER)
+
+    def _read_units(self, pieces: int) -> list[Unit]:
         if self.kind == "embedded":
             n = len(embedded_documents())
-            shards = [list(range(i, n, EMBEDDED_SHARDS)) for i in range(EMBEDDED_SHARDS)]
-            return datasets.IterableDataset.from_generator(
-                _embedded_rows, gen_kwargs={"shards": shards}
-            )
-        if self.kind == "jsonl":
-            return datasets.IterableDataset.from_generator(
-                _jsonl_rows, gen_kwargs={"files": self.files()}
-            )
-        return datasets.IterableDataset.from_generator(
-            _text_rows, gen_kwargs={"files": self.files(), "unit": self.cfg.text_unit}
-        )
+            return _cut([Unit(-1, 0, 0, n, n)], pieces)
+        whole = []
+        for i, path in enumerate(self.files()):
+            if self.file_format == "parquet":  # size: uncompressed bytes, a proxy for tokens
+                meta = _parquet_file(path).metadata
+                for g in range(meta.num_row_groups):
+                    group = meta.row_group(g)
+                    whole.append(Unit(i, g, 0, group.num_rows, max(1, group.total_byte_size)))
+            elif path.endswith(_COMPRESSIONS):  # no seeking in a compressed stream
+                size = _size(path)
+                whole.append(Unit(i, 0, 0, None, size))
+            else:
+                size = _size(path)
+                whole.append(Unit(i, 0, 0, size, size))
+        if self.file_format == "text" and self.cfg.text_unit != "line":
+            # a document or a paragraph may span any byte: whole files only
+            whole = [Unit(u.file, 0, 0, None, u.size) for u in whole]
+        return _cut(whole, pieces)
 
-    def open(self, settings: StreamSettings) -> None:
-        """Resolve the files and shards once, in the main process, before workers fork."""
-        self.dataset()
+    def fingerprint(self) -> list:
+        """What a saved reading position is valid for: the files and their sizes."""
+        if self.kind == "embedded":
+            return [len(embedded_documents())]
+        return [[os.path.basename(p), _size(p)] for p in self.files()]
 
-    def size(self) -> int:
-        """Its shard count: a saved stream position is valid only for the same shards."""
-        return self.dataset().num_shards
-
-    def windows(
-        self, tokenizer: Tokenizer, stream: int, num_streams: int, settings: StreamSettings
-    ) -> SourceWindows:
-        """This source's windows for one stream."""
-        return SourceWindows(self, tokenizer, stream, num_streams, settings)
-
-    def for_stream(
-        self, stream: int, num_streams: int, seed: int, epoch: int
-    ) -> datasets.IterableDataset:
-        """The part of epoch `epoch` that stream `stream` of `num_streams` reads.
-
-        Shards are put in a seeded order per epoch, then dealt out to the streams (every
-        stream gets at least one); with fewer shards than streams every stream reads all
-        rows and keeps every num_streams-th. Either way each row goes to exactly one stream.
-        """
-        ds = self.dataset()
-        n = ds.num_shards
-        if n > 1:
-            order = np.random.default_rng([seed, epoch]).permutation(n)
-            ds = datasets.concatenate_datasets([ds.shard(n, int(i)) for i in order])
-        strategy = "shards" if n >= num_streams else "examples"
-        if strategy == "examples" and num_streams > 1 and stream == 0 and epoch == 0:
-            log.warning(
-                "%s has %d shard(s) for %d streams (ranks x workers): every stream reads all "
-                "of it; more files (or row groups) would avoid that",
-                self.cfg.uri,
-                n,
-                num_streams,
-            )
-        return split_dataset_by_node(ds, rank=stream, world_size=num_streams, strategy=strategy)
+    def rows(self, unit: Unit, skip: int = 0) -> Iterator[tuple[dict, str]]:
+        """(row, where) for the rows of `unit` after the first `skip`; `where` names the
+        file and the row (parquet: row group and row; line files: byte offset)."""
+        if self.kind == "embedded":
+            docs = embedded_documents()
+            for i in range(unit.start + skip, unit.stop):
+                yield {"id": docs[i].id, "text": docs[i].text}, f"embedded document {i}"
+            return
+        path = self.files()[unit.file]
+        if self.file_format == "parquet":
+            yield from _parquet_rows(path, unit, self.columns, skip)
+        else:
+            rows = _line_rows(path, unit, self.file_format, self.cfg.text_unit)
+            yield from itertools.islice(rows, skip, None)
 
 
 def open_source(cfg: SourceConfig):
@@ -222,6 +275,122 @@ def open_source(cfg: SourceConfig):
 
         return PreparedSource(cfg)
     return Source(cfg)
+
+
+def _cut(units: list[Unit], pieces: int) -> list[Unit]:
+    """Split units larger than total/pieces into near-equal parts where they can be split
+    (parquet rows, embedded documents, uncompressed byte ranges)."""
+    limit = max(1, -(-sum(u.size for u in units) // max(1, pieces)))
+    out = []
+    for unit in units:
+        if unit.stop is None or unit.size <= limit:
+            out.append(unit)
+            continue
+        parts = -(-unit.size // limit)
+        length = unit.stop - unit.start
+        bounds = [unit.start + length * k // parts for k in range(parts + 1)]
+        per = unit.size / length
+        out += [
+            Unit(unit.file, unit.group, a, b, max(1, round((b - a) * per)))
+            for a, b in itertools.pairwise(bounds)
+            if b > a
+        ]
+    return out
+
+
+def _parquet_rows(path: str, unit: Unit, columns: list[str], skip: int) -> Iterator:
+    """Rows [unit.start + skip, unit.stop) of one row group, decoded PARQUET_BATCH at a time
+    (rows before the range are decoded and dropped: parquet cannot seek to a row)."""
+    first, position = unit.start + skip, 0
+    batches = _parquet_file(path).iter_batches(
+        batch_size=PARQUET_BATCH, row_groups=[unit.group], columns=columns
+    )
+    for batch in batches:
+        end = position + batch.num_rows
+        if end > first:
+            for offset, row in enumerate(batch.slice(max(0, first - position)).to_pylist()):
+                index = max(first, position) + offset
+                if index >= unit.stop:
+                    return
+                yield row, f"{path} row group {unit.group} row {index}"
+        position = end
+        if position >= unit.stop:
+            return
+
+
+def _parquet_file(path: str) -> pq.ParquetFile:
+    return _retry(lambda: pq.ParquetFile(fsspec.open(path, "rb").open()), path)
+
+
+def _retry(action, path: str):
+    """`action()`, retried on errors of a remote file system; local errors are at once."""
+    remote = "://" in path and not path.startswith("file://")
+    for attempt in range(RETRIES if remote else 1):
+        try:
+            return action()
+        except (OSError, TimeoutError):
+            if not remote or attempt == RETRIES - 1:
+                raise
+            time.sleep(2**attempt)
+    raise AssertionError("unreachable")
+
+
+def _line_rows(path: str, unit: Unit, fmt: str, text_unit: str) -> Iterator:
+    """Rows of a JSON lines or text file's byte range: the lines that start in it (a
+    document or paragraph of a text file: the whole file is one unit)."""
+    if fmt == "text" and text_unit == "document":
+        with _binary(path) as f:
+            yield {"raw": f.read()}, path
+        return
+    if fmt == "text" and text_unit == "paragraph":
+        yield from _paragraphs(path)
+        return
+    for offset, line in _lines_in_range(path, unit):
+        if line.strip():
+            raw = line.rstrip(b"\r\n") if fmt == "text" else line
+            yield {"raw": raw}, f"{path} byte {offset}"
+
+
+def _lines_in_range(path: str, unit: Unit) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) of the lines starting in [unit.start, unit.stop); a line that starts
+    before the range belongs to the previous one. Read errors name the file."""
+    offset = unit.start
+    try:
+        with _binary(path) as f:
+            if offset > 0:
+                f.seek(offset - 1)
+                offset += len(f.readline()) - 1  # to the start of the next line
+            while unit.stop is None or offset < unit.stop:
+                line = f.readline()
+                if not line:
+                    return
+                yield offset, line
+                offset += len(line)
+    except (OSError, EOFError) as err:
+        raise OSError(f"{path}: unreadable after byte {offset}: {err}") from err
+
+
+def _paragraphs(path: str) -> Iterator[tuple[dict, str]]:
+    lines, start = [], 0
+    whole = itertools.chain(_lines_in_range(path, Unit(0, 0, 0, None, 0)), [(0, b"")])
+    for offset, line in whole:  # a blank line (or the end) ends one
+        if line.strip():
+            start = start if lines else offset
+            lines.append(line)
+        elif lines:
+            yield {"raw": b"".join(lines).rstrip(b"\r\n")}, f"{path} byte {start}"
+            lines = []
+
+
+def _size(path: str) -> int:
+    return int(_retry(lambda: fsspec.core.url_to_fs(path)[0].size(path), path))
+
+
+def _format_of(path: str) -> str | None:
+    stem = str(path)
+    for ext in _COMPRESSIONS:
+        stem = stem.removesuffix(ext)
+    return _EXTENSIONS.get(os.path.splitext(stem)[1])
 
 
 def _parse_uri(cfg: SourceConfig) -> tuple[str, str, str | None]:
@@ -236,12 +405,7 @@ def _parse_uri(cfg: SourceConfig) -> tuple[str, str, str | None]:
         return "hub", repo, cfg.name or name or None
     if uri.startswith("prepared:"):
         return "prepared", uri.removeprefix("prepared:"), None
-    kind = cfg.format
-    if kind == "auto":
-        stem = uri
-        for ext in _COMPRESSIONS:
-            stem = stem.removesuffix(ext)
-        kind = _EXTENSIONS.get(os.path.splitext(stem)[1])
+    kind = _format_of(uri) if cfg.format == "auto" else cfg.format
     if kind is None:
         raise SourceError(
             "uri",
@@ -252,57 +416,16 @@ def _parse_uri(cfg: SourceConfig) -> tuple[str, str, str | None]:
     return kind, uri, None
 
 
-def _embedded_rows(shards: list[list[int]]) -> Iterator[dict]:
-    docs = embedded_documents()
-    for shard in shards:
-        for i in shard:
-            yield {"id": docs[i].id, "text": docs[i].text}
-
-
-def _jsonl_rows(files: list[str]) -> Iterator[dict]:
-    for path in files:
-        for n, line in _numbered_lines(path):
-            if line.strip():
-                yield {"raw": line, "where": f"{path}:{n}"}
-
-
-def _text_rows(files: list[str], unit: str) -> Iterator[dict]:
-    for path in files:
-        if unit == "document":
-            yield {"raw": b"".join(line for _, line in _numbered_lines(path)), "where": path}
-        elif unit == "line":
-            for n, line in _numbered_lines(path):
-                if line.strip():
-                    yield {"raw": line.rstrip(b"\r\n"), "where": f"{path}:{n}"}
-        else:
-            yield from _paragraphs(path)
-
-
-def _paragraphs(path: str) -> Iterator[dict]:
-    lines, start = [], 0
-    for n, line in itertools.chain(_numbered_lines(path), [(0, b"")]):  # a blank line ends one
-        if line.strip():
-            start = start or n
-            lines.append(line)
-        elif lines:
-            yield {"raw": b"".join(lines).rstrip(b"\r\n"), "where": f"{path}:{start}"}
-            lines, start = [], 0
-
-
-def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) of a file, decompressing .gz / .zst; read errors name the file."""
-    n = 0
-    try:
-        with _binary(path) as f:
-            for n, line in enumerate(f, 1):
-                yield n, line
-    except (OSError, EOFError) as err:
-        raise OSError(f"{path}: unreadable after line {n}: {err}") from err
-
-
 @contextlib.contextmanager
 def _binary(path: str) -> Iterator[io.BufferedReader]:
     """`path` opened for buffered binary reading, .gz / .zst decompressed by extension
     (zstandard's reader cannot iterate lines by itself)."""
-    with fsspec.open(path, "rb", compression="infer") as f:
+    with _retry(lambda: fsspec.open(path, "rb", compression="infer"), path) as f:
         yield io.BufferedReader(f)
+
+
+def batched(items: Iterator, size: int) -> Iterator[Sequence]:
+    """Lists of `size` items (the last may be shorter)."""
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk

@@ -1,39 +1,63 @@
-"""The training stream: documents -> token ids + EOS -> packed windows, per stream.
+"""The training stream: logical readers, global epochs, packed windows, exact positions.
 
-A *stream* is one (data-parallel rank, DataLoader worker) pair; stream s of S reads its
-share of every source (see `Source.for_stream`), so the S streams together read every
-document of an epoch exactly once. Per stream and source, `DocumentStream` yields documents
-and `SourceWindows` tokenizes and packs them into windows of seq_len + 1 tokens; per stream,
-`MixedWindows` draws each window from a source picked by a seeded RNG in proportion to the
-weights. Every level's position is a state_dict, and a restored stream continues with
-exactly the next window.
+A run has a fixed number R of *logical readers* (`data.readers`, by default one per
+sequence of the global batch). Every training step takes G/R windows from every reader
+(G = train.global_batch_size) in reader order, so global batch k is a function of k alone;
+data-parallel rank d serves readers [d R/DP, (d+1) R/DP) and its DataLoader workers split
+those further. Nothing about the data depends on DP, the workers or TP/PP: a checkpoint's
+data state (every reader's position) continues at any layout whose DP divides R.
+
+Epochs are global. Each source's units (`sources.Unit`: parquet row ranges, byte ranges,
+files) are put in a seeded order per epoch and dealt to the readers by size (the least
+loaded reader takes the next unit), so every document of an epoch is read by exactly one
+reader. A reader that has read its share stops contributing to that source: its slots
+become padding (inputs masked out of the loss) until every reader has finished the epoch,
+and only then does epoch e + 1 begin, for all readers at the same step (agreed between
+the data-parallel ranks by one small all-reduce per step, `loader.TrainData`). Balanced
+shares keep that tail short; only each reader's final window of an epoch may be short.
+
+Within a reader, each source is its own `SourceStream`: rows -> documents (`RowParser`;
+corrupt, non-UTF-8 and empty rows are skipped and counted) -> sentencepiece ids + EOS ->
+windows of seq_len + 1 tokens. Each window carries the stream's position after it, as
+(epoch, unit, row, token): where the next window starts. Restoring a position re-reads
+that row, tokenizes it and drops the tokens already used, so a resumed stream continues
+with exactly the next window; positions are small and layout-free. Mixtures choose the
+source of global slot n by a Weyl sequence over the weights: every step holds each
+source's share of the batch to within a window, and the proportions are exact in the limit.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
-from collections import Counter
+import math
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
-import fsspec
 import numpy as np
-import torch
+import pyarrow as pa
 
 from data_pipeline.documents import SKIP_REASONS, Document, split_of
-from data_pipeline.packing import WindowPacker
+from data_pipeline.sources import DataFault, Source, Unit
 from data_pipeline.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 READ_BATCH = 32
-"""Rows read (and documents tokenized) at a time; the carry holds at most one batch's tokens."""
-MIN_ROWS_FOR_SKIP_CHECK = 100
-"""The skipped fraction is judged only after this many rows, not on the first bad row."""
+"""Documents tokenized at a time (one sentencepiece call)."""
 LOGGED_SKIPS = 10
-"""Skipped rows logged one by one per stream and source; later ones every 1000th."""
+"""Skipped rows logged one by one per stream; later ones every 1000th."""
+UNITS_PER_READER = 16
+"""Units are cut to at most 1/(readers x this) of a source, so shares balance within a few
+percent (pieces of one parquet row group re-decode the rows before them)."""
+STUCK_ROWS = 10_000
+"""A stream that read this many rows without one document stops the run (the fair,
+global skip check needs documents to flow)."""
+_PHI = (math.sqrt(5) - 1) / 2
+SKIPPED = (*SKIP_REASONS, "corrupt_row_group")
+"""Counted as unusable rows: what data.max_skipped_fraction limits."""
 
 
 @dataclass(frozen=True)
@@ -47,216 +71,260 @@ class StreamSettings:
     validation_fraction: float = 0.0
     """Share of documents (by id hash) in the validation split."""
     seed: int = 0
-    """Seed of the shard order per epoch and of the mixture."""
-    max_skipped_fraction: float = 1.0
-    """Error when more of a stream's rows than this are unusable."""
-    epochs: int | None = None
-    """Passes over the data; None: endless."""
+    """Seed of each epoch's unit order."""
+    readers: int = 1
+    """Logical readers of the run."""
+    on_corrupt_row_group: str = "skip"
+    """'skip' (count its rows as skipped) or 'stop' (a DataFault)."""
+    threads: int = 1
+    """sentencepiece threads per tokenization call (-1: all cores)."""
 
 
-class WindowStream(Protocol):
-    """One source's windows for one stream, with its position as state."""
+@dataclass
+class Window:
+    """One window of a stream and the stream's state after it."""
 
-    counts: Counter
+    tokens: np.ndarray
+    """int32 token ids; shorter than StreamSettings.window only at the end of an epoch."""
+    last: bool
+    """The stream's last window of its share of this epoch."""
+    state: dict
+    """Where the stream continues: {'epoch', 'unit', 'row', 'token', 'counts'}."""
 
-    def __iter__(self) -> Iterator[np.ndarray]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
+
+def start_state() -> dict:
+    return {"epoch": 0, "unit": 0, "row": 0, "token": 0, "counts": {}}
 
 
-class DocumentStream:
-    """The documents of one source that one stream reads, epoch after epoch, in batches.
+SKIP_CONFIDENCE_Z = 3.0
+"""How sure the skip check must be that a source is worse than its limit (standard
+deviations of the binomial estimate; 3: about 1 in 700 false stops)."""
 
-    The state (epoch, the dataset's position, counts) is that after the last batch yielded:
-    a consumer keeps whatever it has not used of a batch in its own state.
-    """
 
-    def __init__(self, source, stream: int, num_streams: int, settings: StreamSettings):
-        self.source, self.stream, self.num_streams = source, stream, num_streams
-        self.settings = settings
-        self.epoch, self.position, self.counts = 0, None, Counter()
-        self.in_epoch = 0  # documents yielded in this epoch
+def skip_problem(
+    uri: str, counts, max_fraction: float, min_rows: int, whole: bool = False
+) -> str | None:
+    """Why a source must stop: too many unusable rows. Judged on its cumulative counts,
+    never on fewer than `min_rows` rows: a read in progress stops only when even the lower
+    confidence bound of its unusable share (Wilson score) is above the limit, so an early
+    cluster of bad rows in a clean corpus does not stop it; a `whole` read (every row of
+    the source) compares its exact share."""
+    rows = counts.get("rows", 0)
+    skipped = sum(counts.get(reason, 0) for reason in SKIPPED)
+    if not rows or (rows < min_rows and not whole):
+        return None
+    share = skipped / rows
+    if not whole:
+        z2 = SKIP_CONFIDENCE_Z**2
+        spread = SKIP_CONFIDENCE_Z * math.sqrt(share * (1 - share) / rows + z2 / (4 * rows**2))
+        share = (share + z2 / (2 * rows) - spread) / (1 + z2 / rows)
+    if share <= max_fraction:
+        return None
+    detail = ", ".join(f"{r} {counts[r]}" for r in SKIPPED if counts.get(r))
+    return (
+        f"{uri}: {skipped} of {rows} rows unusable ({detail}), more than "
+        f"data.max_skipped_fraction={max_fraction}"
+    )
 
-    def __iter__(self) -> Iterator[list[Document]]:
-        epochs = self.settings.epochs
-        while epochs is None or self.epoch < epochs:
-            part = self.source.for_stream(
-                self.stream, self.num_streams, self.settings.seed, self.epoch
-            )
-            if self.position is not None:
-                part.load_state_dict(self.position)
-            for batch in part.iter(batch_size=READ_BATCH):
-                docs = self._documents(batch)
-                self.position = part.state_dict()
-                self.in_epoch += len(docs)
-                yield docs
-            if epochs is None and not self.in_epoch:  # else the loop would never yield
-                raise ValueError(
-                    f"{self.source.cfg.uri}: no {self.settings.split} documents for stream "
-                    f"{self.stream} of {self.num_streams} (ranks x workers); the source is too "
-                    "small or its filters reject everything"
-                )
-            self.epoch, self.position, self.in_epoch = self.epoch + 1, None, 0
 
-    def _documents(self, batch: dict[str, list]) -> list[Document]:
-        docs, split = [], self.settings.split
-        columns = list(batch)
-        for values in zip(*batch.values(), strict=True):
-            row = dict(zip(columns, values, strict=True))
-            self.counts["rows"] += 1
-            doc = self.source.parser(row)
-            if isinstance(doc, str):
-                self.counts[doc] += 1
+def stream_for(source, tokenizer: Tokenizer | None, reader: int, settings, state=None):
+    """Logical reader `reader`'s stream of `source` (prepared data has its own)."""
+    if not isinstance(source, Source):
+        return source.stream(reader, settings, state)
+    units = source.units(settings.readers * UNITS_PER_READER)
+    return SourceStream(source, units, tokenizer, reader, settings, state)
+
+
+def epoch_shares(units: Sequence[Unit], readers: int, seed: int, epoch: int) -> list[list[int]]:
+    """Unit indices of each reader in epoch `epoch`, in reading order: units in a seeded
+    order, each given to the reader with the least size so far (the lowest on ties)."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(units))
+    loads, shares = [0] * readers, [[] for _ in range(readers)]
+    for index in order:
+        reader = loads.index(min(loads))
+        shares[reader].append(int(index))
+        loads[reader] += units[index].size
+    return shares
+
+
+def slot_source(slot: int, weights: Sequence[float]) -> int:
+    """The source of global window slot `slot` of a mixture: the interval of the
+    cumulative weights holding frac((slot + 1) x phi) (a Weyl sequence: low discrepancy,
+    so any run of slots holds each source's share up to a few windows)."""
+    if len(weights) == 1:
+        return 0
+    total = sum(weights)
+    bounds = list(itertools.accumulate(w / total for w in weights))
+    return min(bisect.bisect_right(bounds, ((slot + 1) * _PHI) % 1.0), len(weights) - 1)
+
+
+class DocumentReader:
+    """The documents of a list of units from a position (unit, row), with counts of rows,
+    documents, filtered, held-out and skipped rows; skips logged with their file and row."""
+
+    def __init__(self, source: Source, units: Sequence[Unit], settings: StreamSettings):
+        self.source, self.units, self.settings = source, units, settings
+        self.counts: Counter = Counter()
+
+    def documents(self, unit: int = 0, row: int = 0) -> Iterator[tuple]:
+        """(document, unit index, row index in the unit, counts before its row) from
+        position (unit, row)."""
+        for u in range(unit, len(self.units)):
+            first = row if u == unit else 0
+            for doc, r, before in self._unit_documents(self.units[u], first):
+                yield doc, u, r, before
+
+    def _unit_documents(self, unit: Unit, first: int) -> Iterator[tuple[Document, int, dict]]:
+        following, where, counts = first, None, self.counts  # following: the next row's index
+        try:
+            for index, (row, where) in enumerate(self.source.rows(unit, first), first):
+                before = dict(counts)
+                counts["rows"] += 1
+                following = index + 1
+                doc = self.source.parser(row)
+                if isinstance(doc, Document):
+                    if self.settings.split and (
+                        split_of(doc.id, self.settings.validation_fraction) != self.settings.split
+                    ):
+                        counts["held_out"] += 1
+                        continue
+                    counts["documents"] += 1
+                    yield doc, index, before
+                    continue
+                counts[doc] += 1
                 if doc in SKIP_REASONS:
-                    self._skipped(doc, row)
-            elif split and split_of(doc.id, self.settings.validation_fraction) != split:
-                self.counts["held_out"] += 1
-            else:
-                docs.append(doc)
-        self.counts["documents"] += len(docs)
-        return docs
+                    self._log_skip(doc, where)
+                if counts["rows"] >= STUCK_ROWS and not counts["documents"]:
+                    raise DataFault(
+                        f"{self.source.cfg.uri}: {counts['rows']} rows read without a usable "
+                        f"document (last: {where}, {doc})"
+                    )
+        except Exception as err:  # (a generator's close at exit must not evaluate names)
+            if isinstance(err, (FileNotFoundError, PermissionError, ConnectionError, TimeoutError)):
+                raise DataFault(f"{self.source.cfg.uri}: {self._file(unit)}: {err}") from None
+            if not isinstance(err, (OSError, EOFError, pa.ArrowException)):
+                raise
+            self._corrupt_unit(unit, following, err)
 
-    def _skipped(self, reason: str, row: dict) -> None:
+    def _file(self, unit: Unit) -> str:
+        return "the embedded corpus" if unit.file < 0 else self.source.files()[unit.file]
+
+    def _corrupt_unit(self, unit: Unit, following: int, err: Exception) -> None:
+        """A unit that cannot be read on (a corrupt parquet page, a broken compressed
+        stream): skipped with its unread rows, or the run stops, as configured."""
+        where, row = self._file(unit), unit.start + following  # `following`: in the unit
+        if self.source.file_format == "parquet":
+            where += f" row group {unit.group} (rows {unit.start}-{unit.stop - 1}) at row {row}"
+        reason = " ".join(str(err).split())  # one line: arrow's messages span several
+        message = f"{self.source.cfg.uri}: cannot read {where}: {reason}"
+        if self.settings.on_corrupt_row_group == "stop":
+            raise DataFault(f"{message} (data.on_corrupt_row_group=stop)")
+        lost = unit.stop - row if self.source.file_format == "parquet" else 1
+        self.counts["rows"] += lost
+        self.counts["corrupt_row_group"] += lost
+        log.warning(
+            "%s; skipped its %d unread row(s) (data.on_corrupt_row_group=skip)", message, lost
+        )
+
+    def _log_skip(self, reason: str, where: str) -> None:
         skipped = sum(self.counts[r] for r in SKIP_REASONS)
         if skipped <= LOGGED_SKIPS or skipped % 1000 == 0:
-            where = row.get("where") or (
-                f"row {self.counts['rows']} of stream {self.stream}/{self.num_streams}, "
-                f"epoch {self.epoch}"
-            )
             log.warning("%s: skipped a row (%s) at %s", self.source.cfg.uri, reason, where)
-        rows, limit = self.counts["rows"], self.settings.max_skipped_fraction
-        if rows >= MIN_ROWS_FOR_SKIP_CHECK and skipped > limit * rows:
-            detail = ", ".join(f"{r} {self.counts[r]}" for r in SKIP_REASONS if self.counts[r])
-            raise ValueError(
-                f"{self.source.cfg.uri}: {skipped} of {rows} rows unusable ({detail}) in stream "
-                f"{self.stream}, more than data.max_skipped_fraction={limit}"
-            )
-
-    def state_dict(self) -> dict:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "in_epoch": self.in_epoch,
-            "counts": dict(self.counts),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-        self.in_epoch, self.counts = state["in_epoch"], Counter(state["counts"])
 
 
-class SourceWindows:
-    """One source's windows for one stream: its documents, tokenized with EOS after each,
-    packed into windows. The packer's carry (tokens not yet emitted) is part of the state."""
-
-    def __init__(
-        self, source, tokenizer: Tokenizer, stream: int, num_streams: int, settings: StreamSettings
-    ):
-        self.documents = DocumentStream(source, stream, num_streams, settings)
-        self.tokenizer, self.packer = tokenizer, WindowPacker(settings.window)
-
-    @property
-    def counts(self) -> Counter:
-        return self.documents.counts  # tokens are counted beside the rows
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        for docs in self.documents:
-            ids = self.tokenizer.encode_batch([d.text for d in docs], add_eos=True, num_threads=1)
-            tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32)
-            self.counts["tokens"] += len(tokens)
-            yield from self.packer.add(tokens)
-
-    def state_dict(self) -> dict:
-        return {"documents": self.documents.state_dict(), **self.packer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.documents.load_state_dict(state["documents"])
-        self.packer.load_state_dict(state)
-
-
-class MixedWindows(torch.utils.data.IterableDataset):
-    """One data-parallel rank's windows (int64 tensors of settings.window tokens).
-
-    In each DataLoader worker (or the main process when there are none) it builds one
-    WindowStream per source for its stream (rank x workers + worker) and draws every window
-    from a source picked by a seeded RNG in proportion to the weights. A finite source that
-    runs out leaves the mixture. It is Stateful for torchdata's StatefulDataLoader: state
-    holds the RNG and every source's position.
-    """
+class SourceStream:
+    """One source's windows for one logical reader, epoch after epoch (see the module
+    docstring); `windows()` continues from `state` (a Window.state)."""
 
     def __init__(
         self,
-        sources: Sequence[Any],
-        weights: Sequence[float],
-        tokenizer: Tokenizer | None,
+        source: Source,
+        units: Sequence[Unit],
+        tokenizer: Tokenizer,
+        reader: int,
         settings: StreamSettings,
-        rank: int = 0,
-        world_size: int = 1,
+        state: dict | None = None,
     ):
-        if len(sources) != len(weights) or not sources:
-            raise ValueError("need one weight per source and at least one source")
-        self.sources, self.weights = list(sources), np.asarray(weights, dtype=np.float64)
-        self.tokenizer, self.settings = tokenizer, settings
-        self.rank, self.world_size = rank, world_size
-        for source in self.sources:  # here, in the main process, before any worker forks
-            source.open(settings)
-        self._stream: int | None = None
-        self._loaded: dict | None = None
+        self.source, self.units, self.tokenizer = source, units, tokenizer
+        self.reader, self.settings = reader, settings
+        self.state = dict(state or start_state())
 
-    def _ensure_started(self) -> None:
-        """Build this stream's sources (again, if the worker identity changed)."""
-        worker = torch.utils.data.get_worker_info()
-        index, workers = (worker.id, worker.num_workers) if worker else (0, 1)
-        stream = self.rank * workers + index
-        if self._stream == stream:
-            return
-        if worker is not None:
-            fsspec.asyn.reset_lock()  # a lock held by the parent's fsspec thread when it forked
-        self._stream, num_streams = stream, self.world_size * workers
-        self._windows: list[WindowStream] = [
-            s.windows(self.tokenizer, stream, num_streams, self.settings) for s in self.sources
+    def windows(self, epochs: int | None = None) -> Iterator[Window]:
+        """Windows from the state on; `epochs`: stop after that many (None: endless)."""
+        epoch, size = self.state["epoch"], self.settings.window
+        counts = Counter(self.state["counts"])
+        unit, row, skip_tokens = self.state["unit"], self.state["row"], self.state["token"]
+        while epochs is None or epoch < epochs:
+            share = [self.units[i] for i in self._share(epoch)]
+            reader = DocumentReader(self.source, share, self.settings)
+            reader.counts = counts
+            pending: deque = deque()  # [tokens, unit, row, counts before the row]
+            docs = reader.documents(unit, row)
+            available, done, yielded = 0, False, False
+            while True:
+                while available <= size and not done:  # read ahead: is there more?
+                    batch = list(itertools.islice(docs, READ_BATCH))
+                    done = len(batch) < READ_BATCH
+                    available += self._tokenize(batch, pending, skip_tokens)
+                    skip_tokens = 0
+                if available == 0:
+                    break
+                take = min(size, available)
+                tokens = _take(pending, take)
+                available -= take
+                counts["tokens"] += take
+                last = done and available == 0
+                if last:
+                    state = _state(epoch + 1, 0, 0, 0, counts)
+                else:
+                    head = pending[0]
+                    state = _state(epoch, head[1], head[2], head[4], head[3])
+                    state["counts"]["tokens"] = counts["tokens"]
+                yielded = True
+                yield Window(tokens, last, state)
+                if last:
+                    break
+            if not yielded:  # an empty share: say so once, as a last (empty) window
+                yield Window(np.empty(0, np.int32), True, _state(epoch + 1, 0, 0, 0, counts))
+            epoch, unit, row = epoch + 1, 0, 0
+
+    def _share(self, epoch: int) -> list[int]:
+        return epoch_shares(self.units, self.settings.readers, self.settings.seed, epoch)[
+            self.reader
         ]
-        self._rng = np.random.default_rng([self.settings.seed, stream])
-        self._active = list(range(len(self.sources)))
-        if self._loaded is not None:
-            if self._loaded["stream"] != stream:
-                raise ValueError(
-                    f"data state is for stream {self._loaded['stream']}, this is stream {stream}"
-                )
-            self._rng.bit_generator.state = self._loaded["rng"]
-            self._active = list(self._loaded["active"])
-            for windows, state in zip(self._windows, self._loaded["sources"], strict=True):
-                windows.load_state_dict(state)
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        self._ensure_started()
-        iterators = [iter(w) for w in self._windows]
-        while self._active:
-            k = self._active[0] if len(self._active) == 1 else self._draw()
-            window = next(iterators[k], None)
-            if window is None:
-                self._active.remove(k)
-                continue
-            yield torch.from_numpy(window.astype(np.int64))
+    def _tokenize(self, batch: list, pending: deque, skip_tokens: int) -> int:
+        """Tokenize documents [(doc, unit, row)] into `pending`; the first drops
+        `skip_tokens` (a restored position inside it). Returns the tokens added."""
+        if not batch:
+            return 0
+        ids = self.tokenizer.encode_batch(
+            [doc.text for doc, *_ in batch], add_eos=True, num_threads=self.settings.threads
+        )
+        added = 0
+        for i, ((_, unit, row, before), tokens) in enumerate(zip(batch, ids, strict=True)):
+            array = np.asarray(tokens, dtype=np.int32)
+            offset = skip_tokens if i == 0 else 0
+            # the counts before this row: restoring here re-reads (and re-counts) it
+            pending.append([array[offset:], unit, row, before, offset])
+            added += len(array) - offset
+        return added
 
-    def _draw(self) -> int:
-        """A source index, with probability proportional to the active sources' weights."""
-        p = self.weights[self._active] / self.weights[self._active].sum()
-        return self._active[self._rng.choice(len(self._active), p=p)]
 
-    def state_dict(self) -> dict:
-        self._ensure_started()
-        return {
-            "stream": self._stream,
-            "rng": self._rng.bit_generator.state,
-            "active": list(self._active),
-            "sources": [w.state_dict() for w in self._windows],
-            "counts": dict(self.counts()),  # a summary for logging (TrainData.stats)
-        }
+def _take(pending: deque, n: int) -> np.ndarray:
+    """The next n tokens of the pending documents (advancing their offsets)."""
+    parts = []
+    while n:
+        head = pending[0]
+        piece = head[0][:n]
+        parts.append(piece)
+        n -= len(piece)
+        if len(piece) == len(head[0]):
+            pending.popleft()
+        else:
+            head[0], head[4] = head[0][len(piece) :], head[4] + len(piece)
+    return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
-    def load_state_dict(self, state: dict) -> None:
-        self._loaded, self._stream = state, None  # applied when the stream (re)starts
 
-    def counts(self) -> Counter:
-        """Rows, documents, skips and tokens of this stream so far, over all sources."""
-        return sum((w.counts for w in self._windows), Counter())
+def _state(epoch: int, unit: int, row: int, token: int, counts) -> dict:
+    return {"epoch": epoch, "unit": unit, "row": row, "token": token, "counts": dict(counts)}

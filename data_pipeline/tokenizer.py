@@ -91,30 +91,49 @@ def training_pieces(texts: Iterable[str]) -> Iterator[str]:
 def train_tokenizer(
     texts: Iterable[str], vocab_size: int, output: str | Path, max_pieces: int = 2_000_000
 ) -> Tokenizer:
-    """Train a BPE sentencepiece model on `texts` and write it to `output` atomically."""
+    """Train a BPE sentencepiece model on `texts` and write it to `output` atomically.
+
+    A failure while reading `texts` is raised as itself (sentencepiece would turn it into
+    a bare RuntimeError); one of sentencepiece's own (e.g. too little text for the
+    vocabulary) becomes a ValueError naming it."""
+    failures: list[Exception] = []
+
+    def pieces() -> Iterator[str]:
+        try:
+            yield from training_pieces(texts)
+        except Exception as err:  # re-raised below, outside sentencepiece's C++ loop
+            failures.append(err)
+
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=training_pieces(texts),
-        model_writer=model,
-        model_type="bpe",
-        vocab_size=vocab_size,
-        byte_fallback=True,
-        character_coverage=0.9995,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=3,
-        input_sentence_size=max_pieces,
-        shuffle_input_sentence=True,
-        max_sentence_length=MAX_PIECE_INPUT_BYTES * 2,
-        num_threads=min(16, os.cpu_count() or 1),
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=pieces(),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            character_coverage=0.9995,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=3,
+            input_sentence_size=max_pieces,
+            shuffle_input_sentence=True,
+            max_sentence_length=MAX_PIECE_INPUT_BYTES * 2,
+            num_threads=min(16, os.cpu_count() or 1),
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        if failures:
+            raise failures[0] from None
+        raise ValueError(f"training the tokenizer failed: {err}") from None
+    if failures:
+        raise failures[0]
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=output.parent, delete=False, suffix=".tmp") as tmp:

@@ -85,7 +85,7 @@ def convert(checkpoint: Path, output: Path, model: ModelConfig, workers: int = 2
             f"converting {checkpoint} to the universal format failed:\n{done.stderr[-3000:]}"
         )
     add_both_namings(tmp / "zero", model)
-    for name in ("run.json", "config.yaml", "tokenizer.model"):
+    for name in ("run.json", "config.yaml", "tokenizer.model", "data_state.pt"):
         if (checkpoint / name).exists():
             shutil.copyfile(checkpoint / name, tmp / name)
     shutil.copytree(checkpoint / "run_state", tmp / "run_state")

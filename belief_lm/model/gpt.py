@@ -195,10 +195,19 @@ class OutputLayer(ColumnParallelLinear):
         return vocab_parallel_logits(hidden, self.weight if tied_weight is None else tied_weight)
 
 
+IGNORE_INDEX = -100
+"""A label not trained on (padding at an epoch's end): torch's ignore_index convention,
+the value the data pipeline writes (data_pipeline.loader.IGNORE)."""
+
+
 def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean next-token cross entropy of vocab-parallel logits [seq, batch, vocab / TP]
-    against labels [batch, seq], computed in fp32."""
-    return vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).mean()
+    against labels [batch, seq], computed in fp32, over the labels that are not
+    IGNORE_INDEX (0 if there are none)."""
+    labels = labels.t().contiguous()
+    losses = vocab_parallel_cross_entropy(logits.float(), labels)
+    trained = labels != IGNORE_INDEX
+    return (losses * trained).sum() / trained.sum().clamp_min(1)
 
 
 def stage_seed(seed: int, stage_index: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +30,13 @@ from belief_lm.runtime import select_device
 from belief_lm.train import checkpointing
 from belief_lm.train.diagnostics import belief_diagnostics
 from belief_lm.train.engine import Trainee, build_engine
-from belief_lm.train.metrics import Meter, MetricsLogger, TimedIterator, format_scalars
+from belief_lm.train.metrics import Meter, MetricsLogger, format_scalars
 from belief_lm.train.run_dir import drop_metrics_after, prepare_run_dir
 from belief_lm.train.signals import Preempted, StopRequests
 from belief_lm.train.validation import validation_batches, validation_loss
 from data_pipeline.build import build_tokenizer, build_train_data, check_data
-from data_pipeline.loader import TrainData
+from data_pipeline.loader import Collective, TrainData
+from data_pipeline.sources import DataFault
 from data_pipeline.tokenizer import Tokenizer, copy_model
 
 log = logging.getLogger("belief_lm.train")
@@ -42,6 +44,10 @@ log = logging.getLogger("belief_lm.train")
 
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive steps had non-finite gradients."""
+
+
+class DataStop(RuntimeError):
+    """A data source failed mid-run; the last completed step was saved (exit_codes.DATA_FAULT)."""
 
 
 @dataclass
@@ -64,7 +70,12 @@ def train(cfg: Config) -> TrainResult:
     try:
         with StopRequests() as stop:
             while trainer.step < cfg.train.max_steps:
-                loss = trainer.train_step()
+                try:
+                    loss = trainer.train_step()
+                except DataFault as fault:  # raised on every rank, before the step trained
+                    if trainer.step > trainer.start:
+                        trainer.save()  # the last completed step, data position included
+                    raise DataStop(f"{fault}; stopped after step {trainer.step}") from None
                 step = trainer.step
                 if trainer.trainee.update_skipped:
                     skipped_in_a_row(result, step, cfg.train.max_nonfinite_steps, trainer)
@@ -112,8 +123,7 @@ class Trainer:
     vocab_size: int
     trainee: Trainee
     data: TrainData
-    """This rank's resumable micro-batch stream."""
-    micro_batches: TimedIterator
+    """This rank's training steps (resumable at any layout)."""
     meter: Meter
     metrics: MetricsLogger | None
     """The sinks, on the rank that logs (None elsewhere)."""
@@ -121,10 +131,16 @@ class Trainer:
     """This rank's held-out micro-batches (empty unless train.eval_interval is set)."""
     step: int
     """Optimizer steps done (the checkpoint's step right after a resume)."""
+    start: int
+    """The step this process started from."""
     consumed_tokens: int
     """Training tokens consumed so far (all ranks)."""
     lr: float = 0.0
     """The learning rate of the last step."""
+    data_wait_s: float = 0.0
+    """Seconds spent waiting for data, in all."""
+    last_batch: tuple | None = None
+    """The last micro-batch trained on (for diagnostics)."""
 
     @classmethod
     def build(cls, cfg: Config) -> Trainer:
@@ -151,12 +167,14 @@ class Trainer:
         other_layout = resume is not None and resume.other_layout
         trainee = build_engine(cfg, layout, vocab_size, device, other_layout)
         data = build_train_data(
-            cfg.data, tokenizer, cfg.model.seq_length, cfg.train.micro_batch_size,
-            layout.data_rank, layout.data, device,
+            cfg.data, tokenizer, cfg.model.seq_length, cfg.train.global_batch_size,
+            cfg.train.micro_batch_size, layout.data_rank, layout.data, device,
+            collective=data_collective(),
         )  # fmt: skip
         start = 0
         if resume is not None:
-            start = checkpointing.restore(resume, cfg, trainee.engine, data, layout)
+            start = checkpointing.restore(resume, cfg, trainee.engine, layout)
+            data.load_state_dict(checkpointing.load_data_state(resume))
         validation = []
         if cfg.train.eval_interval:
             validation = validation_batches(
@@ -179,16 +197,21 @@ class Trainer:
             )  # fmt: skip
         return cls(
             cfg=cfg, plan=plan, layout=layout, run_dir=run_dir, tokenizer=tokenizer,
-            vocab_size=vocab_size, trainee=trainee, data=data, micro_batches=TimedIterator(data),
+            vocab_size=vocab_size, trainee=trainee, data=data,
             meter=Meter(cfg, vocab_size, device, dist.get_world_size(), start), metrics=metrics,
-            validation=validation, step=start,
+            validation=validation, step=start, start=start,
             consumed_tokens=0 if resume is None else resume.info.consumed_tokens,
         )  # fmt: skip
 
     def train_step(self) -> torch.Tensor:
-        """One optimizer step; returns this rank's mean loss (a device tensor)."""
+        """One optimizer step; returns this rank's mean loss (a device tensor). Raises
+        DataFault (on every rank, before training) if a data source failed."""
+        waited = time.perf_counter()
+        batches = self.data.next_step()  # the whole step, or a DataFault on every rank
+        self.data_wait_s += time.perf_counter() - waited
+        self.last_batch = batches[-1]
         self.lr = self.trainee.engine.get_lr()[0]  # this step's rate (the schedule moves on)
-        loss = self.trainee.train_step(self.micro_batches)
+        loss = self.trainee.train_step(iter(batches))
         self.step += 1
         self.consumed_tokens += self.meter.tokens_per_step
         return loss
@@ -210,8 +233,9 @@ class Trainer:
         norm = self.trainee.engine.get_global_grad_norm()
         scalars = self.meter.scalars(
             self.step, self.trainee.global_mean(loss), self.lr,
-            None if norm is None else float(norm), self.micro_batches,
+            None if norm is None else float(norm), self.data_wait_s,
         )  # fmt: skip
+        scalars.update(self.data.stats())  # data health, summed over the ranks
         if self.metrics is not None:
             self.metrics.log(self.step, scalars)
             total = self.cfg.train.max_steps
@@ -230,24 +254,47 @@ class Trainer:
 
     def diagnose(self) -> None:
         """Belief diagnostics on this step's last micro-batch (training is not perturbed)."""
-        # middle pipeline stages never read the data: they have no micro-batch (None)
-        tokens, labels = self.micro_batches.last or (None, None)
+        tokens, labels = self.last_batch
         trainee = self.trainee
         stats = belief_diagnostics(trainee.engine, tokens, labels, trainee.pipelined)
         if self.metrics is not None:
             self.metrics.log(self.step, stats, prefix="belief", jsonl="diagnostics.jsonl")
 
     def state_dict(self) -> dict:
-        """This rank's state beyond the engine's: data-stream position and RNG states."""
-        return checkpointing.rank_state(self.data, self.layout)
+        """This rank's state beyond the engine's and the data's: its RNG states."""
+        return checkpointing.rank_state(self.layout)
 
     def save(self) -> Path:
-        """Checkpoint this step (collective)."""
+        """Checkpoint this step (collective), with the data position of every rank."""
         return checkpointing.save(
             self.cfg, self.trainee.engine, self.state_dict(), self.layout, self.step,
             self.consumed_tokens, self.vocab_size, self.tokenizer.path,
+            checkpointing.data_state(self.data),
         )  # fmt: skip
 
     def close(self) -> None:
+        self.data.close()
         if self.metrics is not None:
             self.metrics.close()
+
+
+def data_collective() -> Collective:
+    """How the data streams of the ranks agree each step: one all-reduce over the whole
+    job (each reader's counts arrive once per tensor x pipeline replica), and the
+    messages of a failed source gathered only when one failed."""
+    from megatron.core import parallel_state as ps
+
+    from belief_lm.parallel.collectives import collective_device
+
+    def sum_over_job(values: torch.Tensor) -> torch.Tensor:
+        total = values.to(collective_device())
+        dist.all_reduce(total)
+        return total.cpu()
+
+    def gather(value) -> list:
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return values
+
+    replicas = dist.get_world_size() // ps.get_data_parallel_world_size()
+    return Collective(sum=sum_over_job, gather=gather, replicas=replicas)

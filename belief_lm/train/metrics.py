@@ -7,7 +7,6 @@ import json
 import math
 import resource
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -52,23 +51,6 @@ class MetricsLogger:
             self._tb.close()
 
 
-class TimedIterator:
-    """Wraps an iterator, adds up the seconds spent waiting in next() and keeps the last
-    item."""
-
-    def __init__(self, iterator: Iterator):
-        self.iterator, self.wait_s, self.last = iterator, 0.0, None
-
-    def __iter__(self) -> TimedIterator:
-        return self
-
-    def __next__(self):
-        start = time.perf_counter()
-        self.last = next(self.iterator)
-        self.wait_s += time.perf_counter() - start
-        return self.last
-
-
 class Meter:
     """Throughput, utilisation and memory over each logging interval."""
 
@@ -83,9 +65,10 @@ class Meter:
         self.last_time, self.last_step, self.last_wait = time.perf_counter(), start, 0.0
 
     def scalars(
-        self, step: int, loss: float, lr: float, grad_norm: float | None, data: TimedIterator
+        self, step: int, loss: float, lr: float, grad_norm: float | None, data_wait_s: float
     ) -> dict:
-        """The scalars of the interval ending at `step` (and the start of the next one)."""
+        """The scalars of the interval ending at `step` (and the start of the next one);
+        `data_wait_s`: the run's seconds spent waiting for data so far."""
         now = time.perf_counter()
         steps, elapsed = step - self.last_step, now - self.last_time
         tflops = self.flops_per_step * steps / elapsed / self.world_size / 1e12
@@ -95,12 +78,12 @@ class Meter:
             "grad_norm": grad_norm,
             "tokens_per_s": self.tokens_per_step * steps / elapsed,
             "step_time_s": elapsed / steps,
-            "data_wait_s": (data.wait_s - self.last_wait) / steps,
+            "data_wait_s": (data_wait_s - self.last_wait) / steps,
             "tflops_per_device": tflops,
             "mfu": None if self.peak is None else tflops / self.peak,
             "memory_gb": self._memory_gb(),
         }
-        self.last_time, self.last_step, self.last_wait = now, step, data.wait_s
+        self.last_time, self.last_step, self.last_wait = now, step, data_wait_s
         return scalars
 
     def _memory_gb(self) -> float:

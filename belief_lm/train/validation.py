@@ -31,7 +31,7 @@ def validation_batches(
 ) -> list[Batch]:
     """This data-parallel rank's share of up to `max_batches` x DP held-out micro-batches."""
     batches = build_validation_data(
-        data, tokenizer, seq_len, micro_batch_size, 0, 1, device, max_batches * layout.data
+        data, tokenizer, seq_len, micro_batch_size, device, max_batches * layout.data
     )
     return batches[layout.data_rank :: layout.data]
 

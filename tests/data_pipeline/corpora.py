@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import gzip
-import itertools
 import json
 import uuid
-from collections import defaultdict
 from pathlib import Path
 
 import pyarrow as pa
@@ -110,39 +108,16 @@ def source(uri: str, **fields):
     return open_source(SourceConfig(uri=uri, **fields))
 
 
-def read_documents(src, split=None, validation_fraction=0.0, **settings):
-    """Every document of a source in one pass of one stream, and the stream's counts."""
-    from data_pipeline.stream import DocumentStream, StreamSettings
+def read_documents(src, split=None, validation_fraction=0.0):
+    """Every document of a source in one pass in file order, and the reader's counts."""
+    from data_pipeline.stream import DocumentReader, StreamSettings
 
-    stream = DocumentStream(
-        src,
-        0,
-        1,
-        StreamSettings(
-            window=2, split=split, validation_fraction=validation_fraction, epochs=1, **settings
-        ),
-    )
-    return [doc for batch in stream for doc in batch], stream.counts
+    settings = StreamSettings(window=2, split=split, validation_fraction=validation_fraction)
+    reader = DocumentReader(src, src.units(), settings)
+    return [doc for doc, *_ in reader.documents()], reader.counts
 
 
 EOS = 2
-
-
-def _tag_worker(windows):
-    """collate_fn run in the worker: the worker's id with its window."""
-    info = torch.utils.data.get_worker_info()
-    return (info.id if info else 0), windows[0]
-
-
-def worker_tokens(dataset, num_workers: int) -> list[list[int]]:
-    """Each worker's windows concatenated in order."""
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=1, num_workers=num_workers, collate_fn=_tag_worker
-    )
-    tokens = defaultdict(list)
-    for worker, window in loader:
-        tokens[worker] += window.tolist()
-    return [tokens[w] for w in sorted(tokens)]
 
 
 def split_after_eos(tokens: list[int]) -> tuple[list[tuple], list[int]]:
@@ -155,6 +130,21 @@ def split_after_eos(tokens: list[int]) -> tuple[list[tuple], list[int]]:
     return docs, tokens[start:]
 
 
-def take(batches, n):
-    """n micro-batches as lists: tokens then the last label of each row (the window)."""
-    return [torch.cat([x, y[:, -1:]], dim=1).tolist() for x, y in itertools.islice(batches, n)]
+def window_tokens(tokens: torch.Tensor, labels: torch.Tensor) -> list[int]:
+    """The tokens a window was read with, from its inputs and labels (padding dropped: the
+    labels are IGNORE from the window's end on, the inputs 0, an id text never maps to)."""
+    trained = int((labels != -100).sum())
+    if trained:
+        return [*tokens[:trained].tolist(), int(labels[trained - 1])]
+    return [int(tokens[0])] if int(tokens[0]) else []
+
+
+def step_windows(batches) -> list[list[int]]:
+    """A step's windows (see window_tokens), in order."""
+    pairs = (zip(tokens, labels, strict=True) for tokens, labels in batches)
+    return [window_tokens(x, y) for rows in pairs for x, y in rows]
+
+
+def take(data, steps):
+    """`steps` training steps of a TrainData, each a list of its windows' tokens."""
+    return [step_windows(data.next_step()) for _ in range(steps)]

@@ -5,14 +5,15 @@ import json
 
 import pytest
 import torch
-from corpora import read_documents, source, take, worker_tokens, write_openwebtext_jsonl
+from corpora import read_documents, source, write_openwebtext_jsonl
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from ranks import Ranks
 
 from data_pipeline.build import build_tokenizer, build_train_data
 from data_pipeline.config import DataConfig
 from data_pipeline.documents import split_of
+from data_pipeline.loader import merge_states
 from data_pipeline.prepared import prepare
-from data_pipeline.stream import MixedWindows, StreamSettings
 from data_pipeline.tokenizer import train_tokenizer
 
 CPU = torch.device("cpu")
@@ -39,17 +40,19 @@ def test_prepare_writes_every_document_once_in_its_split(prepared, embedded_toke
     assert (out / "tokenizer.model").read_bytes() == embedded_tokenizer.path.read_bytes()
 
 
-def test_prepared_samples_are_shuffled_and_each_read_once_by_2x2_streams(
-    prepared, embedded_tokenizer
-):
+def test_prepared_samples_are_shuffled_and_each_read_once_per_epoch(prepared, embedded_tokenizer):
+    """8 readers over 2 data-parallel ranks: one epoch's windows are megatron's samples,
+    each once, whatever the layout."""
     out, _, meta = prepared
+    data = DataConfig(sources=[f"prepared:{out}"], num_workers=0, seed=4)
+    ranks = Ranks(2)
+    datas = ranks.build(data, embedded_tokenizer, 32, global_batch=8, micro=2)
+    steps = []
+    while datas[0].stats().get("data/0/epoch", 0) == 0:
+        steps += ranks.steps(datas, 1)
+    windows = [tuple(w) for step in steps for w in step if w]
     prepared_source = source(f"prepared:{out}")
-    settings = StreamSettings(33, split="train", seed=4, epochs=1)
-    streams = []
-    for rank in range(2):
-        dataset = MixedWindows([prepared_source], [1.0], None, settings, rank, world_size=2)
-        streams += worker_tokens(dataset, num_workers=2)
-    windows = [tuple(s[i : i + 33]) for s in streams for i in range(0, len(s), 33)]
+    prepared_source.open(datas[0].settings)
     gpt = prepared_source.samples("train")  # megatron's GPTDataset, built by open()
     assert len(gpt) == (meta["train_tokens"] - 1) // 32  # samples overlap by one token
     samples = [
@@ -74,17 +77,22 @@ def test_training_blends_prepared_and_streaming_sources_and_resumes(
     )
     assert build_tokenizer(data, "/nonexistent").path == out / "tokenizer.model"
 
-    def build():
-        return build_train_data(data, embedded_tokenizer, 32, 4, 0, 1, CPU)
+    def build(ranks, workers):
+        update = {"num_workers": workers}
+        return ranks.build(data.model_copy(update=update), embedded_tokenizer, 32, 8, 2)
 
-    reference = take(build(), 40)
-    first = build()
-    take(first, 13)
-    resumed = build()
-    resumed.load_state_dict(first.state_dict())
-    assert take(resumed, 27) == reference[13:]
-    counts = resumed.stats()
-    assert counts["documents"] > 0 and counts["tokens"] > 0
+    single = Ranks(1)
+    reference = single.steps(build(single, 2), 40)
+    two = Ranks(2)
+    first = build(two, 0)
+    assert two.steps(first, 13) == reference[:13]
+    four = Ranks(4)
+    resumed = build(four, 0)
+    for part in resumed:
+        part.load_state_dict(merge_states([d.state_dict() for d in first]))
+    assert four.steps(resumed, 27) == reference[13:]
+    counts = resumed[0].stats()
+    assert counts["data/0/samples"] > 0 and counts["data/1/documents"] > 0
 
 
 def test_prepared_data_refuses_another_tokenizer(tmp_path, prepared, embedded_tokenizer):
@@ -96,4 +104,4 @@ def test_prepared_data_refuses_another_tokenizer(tmp_path, prepared, embedded_to
     with pytest.raises(
         ValueError, match=r"was tokenized with .*tokenizer\.model, not with .*o\.model"
     ):
-        build_train_data(data, other, 32, 4, 0, 1, CPU)
+        build_train_data(data, other, 32, 4, 4, 0, 1, CPU)

@@ -28,7 +28,7 @@ def test_hub_path_and_local_glob_read_the_same_fineweb_rows(fineweb):
     root, rows = fineweb
     hub = source(f"hf:{root}:sample-10BT", id_column="id")  # load_dataset(repo, name): README
     local = source(f"{root}/sample/10BT/*.parquet", id_column="id")
-    assert hub.dataset().num_shards == local.dataset().num_shards == 9  # 3 files x 3 row groups
+    assert hub.files() == local.files() and len(hub.units()) == 9  # 3 files x 3 row groups
     hub_docs, counts = read_documents(hub)
     assert hub_docs == read_documents(local)[0]
     assert sorted((d.id, d.text) for d in hub_docs) == sorted((r["id"], r["text"]) for r in rows)
@@ -82,8 +82,11 @@ def test_bad_rows_are_skipped_counted_and_logged(tmp_path, caplog):
     assert [d.text for d in docs] == texts(6)
     assert (counts["corrupt"], counts["not_utf8"], counts["empty"]) == (3, 1, 1)
     logged = caplog.text
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line) + 1)
     for line, reason in [(3, "corrupt"), (4, "not_utf8"), (7, "empty"), (8, "corrupt")]:
-        assert f"skipped a row ({reason}) at {path}:{line}" in logged
+        assert f"skipped a row ({reason}) at {path} byte {offsets[line - 1]}" in logged
 
 
 def test_bad_parquet_cells_are_skipped(tmp_path):
@@ -94,18 +97,15 @@ def test_bad_parquet_cells_are_skipped(tmp_path):
     assert (counts["not_utf8"], counts["empty"], counts["corrupt"]) == (1, 1, 1)
 
 
-def test_too_many_unusable_rows_is_an_error(tmp_path):
-    lines = [b'{"text": ""}' if i % 10 == 0 else jsonl_lines([f"doc {i}"])[0] for i in range(300)]
-    write_openwebtext_jsonl(tmp_path / "x.jsonl", lines)
-    src = source(str(tmp_path / "x.jsonl"))
-    docs, counts = read_documents(src, max_skipped_fraction=0.2)
-    assert (len(docs), counts["empty"]) == (270, 30)
-    with pytest.raises(
-        ValueError,
-        match=r"x\.jsonl: 11 of 101 rows unusable \(empty 11\) .* "
-        r"more than data\.max_skipped_fraction=0\.1",
-    ):
-        read_documents(src, max_skipped_fraction=0.1)
+def test_parquet_skips_name_the_file_row_group_and_row(tmp_path, caplog):
+    cells = [f"text {i}".encode() for i in range(10)]
+    cells[7] = b"\xff not utf-8"
+    path = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"text": pa.array(cells, pa.binary())}), path, row_group_size=4)
+    with caplog.at_level(logging.WARNING, logger="data_pipeline.stream"):
+        docs, counts = read_documents(source(str(path)))
+    assert len(docs) == 9 and counts["not_utf8"] == 1
+    assert f"skipped a row (not_utf8) at {path} row group 1 row 3" in caplog.text
 
 
 def check(tmp_path, uri, **fields):

@@ -1,8 +1,7 @@
-"""The stream: exact coverage over ranks x workers, determinism, exact resume, mixtures,
-the validation split, and what a state may be loaded into."""
+"""The training stream: global epochs (every document once, whatever the row groups),
+positions that continue exactly at any data-parallel size and worker count, mixtures,
+padding, the validation split, and what a state may be loaded into."""
 
-import io
-import itertools
 import json
 from collections import Counter
 
@@ -12,130 +11,168 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from corpora import (
+    EOS,
+    FINEWEB_SCHEMA,
     fineweb_rows,
     read_documents,
     source,
     split_after_eos,
+    step_windows,
     take,
-    worker_tokens,
     write_fineweb,
     write_openwebtext_jsonl,
 )
+from ranks import Ranks
 
 from data_pipeline.build import build_train_data, build_validation_data
 from data_pipeline.config import DataConfig
 from data_pipeline.documents import split_of
-from data_pipeline.loader import SNAPSHOT_EVERY
-from data_pipeline.stream import MixedWindows, StreamSettings
+from data_pipeline.loader import merge_states
+from data_pipeline.stream import epoch_shares, slot_source
 
 CPU = torch.device("cpu")
+SEQ = 32
 
 
-def encoded(tokenizer, texts) -> Counter:
-    return Counter(tuple(ids) for ids in tokenizer.encode_batch(list(texts), add_eos=True))
+def unequal_row_groups(folder, sizes=(1, 7, 256, 1000), chars=200) -> list[dict]:
+    """One parquet file per size, each a single row group of that many rows."""
+    folder.mkdir(parents=True)
+    rows, offset = [], 0
+    for i, size in enumerate(sizes):
+        part = fineweb_rows(size, offset=offset, chars=chars)
+        table = pa.Table.from_pylist(part, schema=FINEWEB_SCHEMA)
+        pq.write_table(table, folder / f"{i:03d}.parquet", row_group_size=size)
+        rows, offset = rows + part, offset + size
+    return rows
 
 
-@pytest.mark.parametrize("layout", ["9 row groups", "1 jsonl file"])
-def test_every_token_exactly_once_across_2_ranks_x_2_workers(
-    tmp_path, fineweb, embedded_tokenizer, layout
+def expected_documents(tokenizer, rows, fraction) -> Counter:
+    train = [r["text"] for r in rows if split_of(r["id"], fraction) == "train"]
+    return Counter(tuple(ids) for ids in tokenizer.encode_batch(train, add_eos=True))
+
+
+def reader_windows(global_batches: list, readers: int, per_reader: int) -> list[list]:
+    """Each logical reader's windows in order (slots are reader-major within a step)."""
+    out = [[] for _ in range(readers)]
+    for batch in global_batches:
+        for r in range(readers):
+            out[r] += batch[r * per_reader : (r + 1) * per_reader]
+    return out
+
+
+def delivered(global_batches: list, readers: int) -> Counter:
+    """Every reader's complete documents; each reader's windows end at a document's end."""
+    documents = Counter()
+    for windows in reader_windows(global_batches, readers, 1):
+        complete, rest = split_after_eos([t for w in windows for t in w])
+        assert rest == []  # only a reader's final window of an epoch may be short
+        documents.update(complete)
+    return documents
+
+
+def test_one_epoch_delivers_every_document_once_whatever_the_row_groups(
+    tmp_path, embedded_tokenizer
 ):
-    root, rows = fineweb
-    if layout == "9 row groups":  # more shards than streams: row groups are dealt out
-        src = source(f"hf:{root}:sample-10BT", id_column="id")
-    else:  # fewer shards than streams: every stream reads the file, keeps every 4th row
-        write_openwebtext_jsonl(tmp_path / "one.jsonl", [json.dumps(r).encode() for r in rows])
-        src = source(str(tmp_path / "one.jsonl"), id_column="id")
-    window = 33
-    settings = StreamSettings(window, split="train", validation_fraction=0.1, seed=7, epochs=1)
-    streams = []
-    for rank in range(2):
-        dataset = MixedWindows([src], [1.0], embedded_tokenizer, settings, rank, world_size=2)
-        streams += worker_tokens(dataset, num_workers=2)
-    assert len(streams) == 4 and all(streams)
-
-    train = [r["text"] for r in rows if split_of(r["id"], 0.1) == "train"]
-    expected = encoded(embedded_tokenizer, train)
-    assert 90 < len(train) < len(rows)
-    seen, partial = Counter(), []
-    for tokens in streams:
-        assert len(tokens) % window == 0
-        complete, rest = split_after_eos(tokens)
-        seen.update(complete)
-        partial.append(rest)
-    assert not seen - expected, "a window holds something twice or not from a document"
-    for rest in partial:  # a stream's last emitted document is a prefix of an unseen one
-        assert any(doc[: len(rest)] == tuple(rest) for doc in expected - seen)
-    emitted = sum(len(t) for t in streams)
-    missing = sum(len(doc) * n for doc, n in expected.items()) - emitted
-    assert 0 <= missing < len(streams) * window  # only each stream's final partial window
+    """Row groups of 1, 7, 256 and 1000 rows, 8 readers over 2 data-parallel ranks: the
+    windows up to the global epoch boundary hold every training document exactly once;
+    the next epoch then delivers them all again."""
+    rows = unequal_row_groups(tmp_path / "unequal")
+    data = DataConfig(
+        sources=[{"uri": f"{tmp_path}/unequal/*.parquet", "id_column": "id"}],
+        validation_fraction=0.1, num_workers=0, seed=3,
+    )  # fmt: skip
+    ranks = Ranks(2)
+    datas = ranks.build(data, embedded_tokenizer, SEQ, global_batch=8, micro=2)
+    expected = expected_documents(embedded_tokenizer, rows, 0.1)
+    assert len(expected) > 1000
+    epoch0 = []
+    while datas[0].stats().get("data/0/epoch", 0) == 0:
+        epoch0 += ranks.steps(datas, 1)
+    assert delivered(epoch0, 8) == expected  # every training document, each exactly once
+    stats = datas[0].stats()
+    assert stats["data/0/held_out"] + stats["data/0/documents"] == stats["data/0/rows"] == len(rows)
+    padding = sum(not w for batch in epoch0 for w in batch)
+    assert padding < 0.1 * 8 * len(epoch0), padding  # shares are balanced by size
+    epoch1 = []
+    while datas[0].stats()["data/0/epoch"] == 1:
+        epoch1 += ranks.steps(datas, 1)
+    assert delivered(epoch1, 8) == expected
 
 
-def test_same_seed_same_stream_other_seed_other_order(fineweb, embedded_tokenizer):
-    root, _ = fineweb
-    src = source(f"hf:{root}:sample-10BT", id_column="id")
+def test_shares_are_balanced_by_size_and_cover_every_unit():
+    from data_pipeline.sources import Unit
 
-    def first(seed):
-        dataset = MixedWindows([src], [1.0], embedded_tokenizer, StreamSettings(33, seed=seed))
-        return [w.tolist() for w in itertools.islice(dataset, 60)]
-
-    assert first(1) == first(1)
-    assert first(1) != first(2)
+    units = [Unit(0, g, 0, n, n) for g, n in enumerate([1, 7, 256, 1000, 30, 30, 31])]
+    for epoch in range(3):
+        shares = epoch_shares(units, 4, seed=5, epoch=epoch)
+        assert sorted(i for share in shares for i in share) == list(range(len(units)))
+    assert epoch_shares(units, 4, 5, 0) != epoch_shares(units, 4, 5, 1)  # reshuffled
 
 
-@pytest.mark.parametrize("stop", [2, 9, 31])
-def test_resume_gives_exactly_the_batches_of_an_uninterrupted_run(
+@pytest.mark.parametrize("stop", [3, 17])
+def test_a_state_continues_exactly_at_another_data_parallel_size(
     tmp_path, embedded_tokenizer, stop
 ):
-    # 12 files of 4 short documents (~10 windows each): every stop and continuation crosses
-    # file boundaries; 60 batches of 4 windows also cross the end of an epoch (~30 batches).
-    write_fineweb(tmp_path, files=12, rows_per_file=4, row_group_size=4, chars=300)
+    """8 readers: 2 ranks to step `stop`, then 1 rank and 4 ranks from the merged state,
+    give exactly the global batches of an uninterrupted single rank (epoch ends included)."""
+    write_fineweb(tmp_path / "fw", files=4, rows_per_file=20, row_group_size=7, chars=400)
     data = DataConfig(
-        sources=[{"uri": f"{tmp_path}/sample/10BT/*.parquet", "id_column": "id"}],
-        num_workers=2,
-        validation_fraction=0.1,
-        seed=5,
-    )
+        sources=[{"uri": f"{tmp_path}/fw/sample/10BT/*.parquet", "id_column": "id"}],
+        num_workers=0, validation_fraction=0.1, seed=5,
+    )  # fmt: skip
+    steps = 40  # crosses an epoch boundary (about 25 steps)
 
-    def build():
-        return build_train_data(data, embedded_tokenizer, 32, 4, dp_rank=0, dp_size=1, device=CPU)
+    def run(n, state=None, k=steps):
+        ranks = Ranks(n)
+        datas = ranks.build(data, embedded_tokenizer, SEQ, global_batch=8, micro=2)
+        if state is not None:
+            for d in datas:
+                d.load_state_dict(state)
+        return ranks.steps(datas, k), datas
 
-    reference = take(build(), 60)
-    first = build()
-    assert take(first, stop) == reference[:stop]
-    saved = io.BytesIO()
-    torch.save(first.state_dict(), saved)  # as a checkpoint would
-    del first
-    resumed = build()
-    resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
-    assert take(resumed, 60 - stop) == reference[stop:]
-    assert len({str(b) for b in reference}) == 60  # no batch repeats: the test can fail
+    reference, ref_datas = run(1)
+    assert ref_datas[0].stats()["data/0/epoch"] >= 1
+    first, datas = run(2, k=stop)
+    assert first == reference[:stop]
+    state = merge_states([d.state_dict() for d in datas])
+    for n in (1, 4):
+        resumed, _ = run(n, state, steps - stop)
+        assert resumed == reference[stop:], f"continued on {n} rank(s)"
 
 
-def test_resume_without_workers(fineweb, embedded_tokenizer):
-    root, _ = fineweb
-    data = DataConfig(sources=[f"hf:{root}:sample-10BT"], num_workers=0)
-    first = build_train_data(data, embedded_tokenizer, 32, 3, 0, 1, CPU)
-    reference = take(first, 25)
-    first = build_train_data(data, embedded_tokenizer, 32, 3, 0, 1, CPU)
-    take(first, 11)
-    resumed = build_train_data(data, embedded_tokenizer, 32, 3, 0, 1, CPU)
-    resumed.load_state_dict(first.state_dict())
-    assert take(resumed, 14) == reference[11:]
+def test_workers_change_nothing_but_speed(tmp_path, embedded_tokenizer):
+    write_fineweb(tmp_path / "fw", files=3, rows_per_file=12, row_group_size=5, chars=300)
+    base = {"sources": [f"hf:{tmp_path / 'fw'}:sample-10BT"], "seed": 2}
+
+    def build(workers):
+        data = DataConfig(**base, num_workers=workers)
+        return build_train_data(data, embedded_tokenizer, SEQ, 8, 4, 0, 1, CPU)
+
+    reference = take(build(0), 30)
+    two = build(2)
+    assert take(two, 12) == reference[:12]
+    resumed = build(3)  # more workers on resume
+    resumed.load_state_dict(two.state_dict())
+    assert take(resumed, 18) == reference[12:]
+    two.close()
+    resumed.close()
 
 
 def test_batches_are_tokens_and_shifted_labels(fineweb, embedded_tokenizer):
     root, _ = fineweb
     data = DataConfig(sources=[f"hf:{root}:sample-10BT"], num_workers=1)
-    tokens, labels = next(build_train_data(data, embedded_tokenizer, 32, 3, 0, 1, CPU))
-    assert tokens.shape == labels.shape == (3, 32)
+    batches = build_train_data(data, embedded_tokenizer, SEQ, 6, 3, 0, 1, CPU).next_step()
+    assert len(batches) == 2
+    tokens, labels = batches[0]
+    assert tokens.shape == labels.shape == (3, SEQ)
     assert tokens.dtype == labels.dtype == torch.int64
     assert torch.equal(tokens[:, 1:], labels[:, :-1])
 
 
-def test_mixture_draws_windows_in_proportion_to_the_weights(tmp_path, fineweb, embedded_tokenizer):
+def test_a_mixture_holds_its_weights_in_every_step(tmp_path, fineweb, embedded_tokenizer):
     """Source B is Greek (the tokenizer has only byte pieces for it): a window made mostly
-    of byte tokens (ids 4..259) came from B. Expected share 1/4; tolerance ±0.03 (about 3
-    binomial standard deviations at 2,000 windows)."""
+    of byte tokens (ids 4..259) came from B. Weights 3:1: every window comes from the source
+    its slot names, and every step of 16 slots names B 4 times, give or take one."""
     root, _ = fineweb
     rng = np.random.default_rng(0)
     greek = [
@@ -143,13 +180,24 @@ def test_mixture_draws_windows_in_proportion_to_the_weights(tmp_path, fineweb, e
         for _ in range(50)
     ]
     write_openwebtext_jsonl(tmp_path / "b.jsonl", [json.dumps({"text": t}).encode() for t in greek])
-    a, b = source(f"hf:{root}:sample-10BT"), source(str(tmp_path / "b.jsonl"))
-    dataset = MixedWindows([a, b], [3.0, 1.0], embedded_tokenizer, StreamSettings(33, seed=1))
-    windows = [w.numpy() for w in itertools.islice(dataset, 2000)]
-    byte_share = [np.mean((w >= 4) & (w < 260)) for w in windows]
-    assert all(s < 0.4 or s > 0.8 for s in byte_share)  # every window is from one source
-    share_b = np.mean([s > 0.8 for s in byte_share])
-    assert abs(share_b - 0.25) < 0.03, share_b
+    weights = [1, 1 / 3]
+    data = DataConfig(
+        sources=[f"hf:{root}:sample-10BT", {"uri": str(tmp_path / "b.jsonl"), "weight": 1 / 3}],
+        num_workers=0,
+    )
+    steps = take(build_train_data(data, embedded_tokenizer, SEQ, 16, 16, 0, 1, CPU), 40)
+    checked = 0
+    for k, step in enumerate(steps):
+        names = [slot_source(k * 16 + j, weights) for j in range(16)]
+        assert 3 <= names.count(1) <= 5
+        for window, name in zip(step, names, strict=True):
+            if len(window) == SEQ + 1:  # not padding, not an epoch's short last window
+                byte_share = np.mean([4 <= t < 260 for t in window])
+                assert (byte_share > 0.8) == (name == 1), (k, byte_share, name)
+                checked += 1
+    assert checked > 500
+    slots = [slot_source(n, [3, 1]) for n in range(4000)]
+    assert abs(slots.count(1) - 1000) <= 3  # exact in the limit, off by a few at most
 
 
 def test_validation_is_fixed_and_disjoint_from_training(fineweb, embedded_tokenizer):
@@ -161,61 +209,60 @@ def test_validation_is_fixed_and_disjoint_from_training(fineweb, embedded_tokeni
     assert {d.id for d in val_docs}.isdisjoint(d.id for d in train_docs)
     assert len(val_docs) + len(train_docs) == len(rows) and len(val_docs) > 15
 
-    batches = take(build_validation_data(data, embedded_tokenizer, 32, 2, 0, 1, CPU, 40), 40)
+    batches = build_validation_data(data, embedded_tokenizer, SEQ, 2, CPU, 40)
     assert len(batches) == 40
-    assert batches == take(
-        build_validation_data(data, embedded_tokenizer, 32, 2, 0, 1, CPU, 40), 40
-    )
-    tokens = [t for batch in batches for row in batch for t in row]
-    complete, _ = split_after_eos(tokens)
-    assert len(complete) > 5
-    assert not Counter(complete) - encoded(embedded_tokenizer, (d.text for d in val_docs))
-    assert not set(complete) & set(encoded(embedded_tokenizer, (d.text for d in train_docs)))
-    assert (
-        build_validation_data(
-            data.model_copy(update={"validation_fraction": 0}),
-            embedded_tokenizer,
-            32,
-            2,
-            0,
-            1,
-            CPU,
-            5,
+    assert all(
+        torch.equal(a[0], b[0])
+        for a, b in zip(
+            batches, build_validation_data(data, embedded_tokenizer, SEQ, 2, CPU, 40), strict=True
         )
-        == []
     )
+    tokens = [t for window in step_windows(batches) for t in window]
+    complete, _ = split_after_eos(tokens)
+    encoded = Counter(
+        tuple(ids) for ids in embedded_tokenizer.encode_batch([d.text for d in val_docs], True)
+    )
+    assert len(complete) > 5 and not Counter(complete) - encoded
+    no_validation = data.model_copy(update={"validation_fraction": 0})
+    assert build_validation_data(no_validation, embedded_tokenizer, SEQ, 2, CPU, 5) == []
 
 
-def test_a_state_loads_only_into_the_same_layout(fineweb, embedded_tokenizer):
+def test_a_state_loads_only_into_the_same_data(fineweb, embedded_tokenizer):
     root, _ = fineweb
     data = DataConfig(sources=[f"hf:{root}:sample-10BT"], num_workers=0)
-    saved = build_train_data(data, embedded_tokenizer, 32, 2, 0, 2, CPU)
-    next(saved)
+    saved = build_train_data(data, embedded_tokenizer, SEQ, 4, 2, 0, 1, CPU)
+    saved.next_step()
     state = saved.state_dict()
     for key, build in {
-        "dp_size": lambda: build_train_data(data, embedded_tokenizer, 32, 2, 0, 1, CPU),
-        "dp_rank": lambda: build_train_data(data, embedded_tokenizer, 32, 2, 1, 2, CPU),
-        "seq_len": lambda: build_train_data(data, embedded_tokenizer, 64, 2, 0, 2, CPU),
-        "num_workers": lambda: build_train_data(
-            data.model_copy(update={"num_workers": 2}), embedded_tokenizer, 32, 2, 0, 2, CPU
+        "seq_len": lambda: build_train_data(data, embedded_tokenizer, 64, 4, 2, 0, 1, CPU),
+        "readers": lambda: build_train_data(
+            data.model_copy(update={"readers": 2}), embedded_tokenizer, SEQ, 4, 2, 0, 1, CPU
         ),
     }.items():
         with pytest.raises(ValueError, match=f"data state was saved with {key}=.* this run has"):
             build().load_state_dict(state)
     pq.write_table(pa.Table.from_pylist(fineweb_rows(3)), root / "sample" / "10BT" / "new.parquet")
-    with pytest.raises(ValueError, match=r"saved with source_sizes=\[9\], this run has .*\[10\]"):
-        build_train_data(data, embedded_tokenizer, 32, 2, 0, 2, CPU).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved with data=.* this run has"):
+        build_train_data(data, embedded_tokenizer, SEQ, 4, 2, 0, 1, CPU).load_state_dict(state)
 
 
 def test_stats_count_rows_documents_skips_and_tokens(tmp_path, embedded_tokenizer):
-    rows = [json.dumps(r).encode() for r in fineweb_rows(60)]
+    rows = [json.dumps(r).encode() for r in fineweb_rows(60, chars=300)]
     rows[5] = b"{broken"
     write_openwebtext_jsonl(tmp_path / "x.jsonl", rows)
     data = DataConfig(sources=[str(tmp_path / "x.jsonl")], num_workers=2, validation_fraction=0)
-    batches = build_train_data(data, embedded_tokenizer, 32, 2, 0, 1, CPU)
-    for _ in range(2 * SNAPSHOT_EVERY + 1):
-        next(batches)
-    stats = batches.stats()  # as of the snapshot after batch 2 x SNAPSHOT_EVERY
-    assert stats["rows"] >= stats["documents"] > 0
-    assert stats["tokens"] >= 2 * SNAPSHOT_EVERY * 2 * 33
-    assert stats["skipped"] == stats["corrupt"] == 1  # in one worker's share of the rows
+    batches = build_train_data(data, embedded_tokenizer, SEQ, 2, 2, 0, 1, CPU)
+    take(batches, 3)
+    stats = batches.stats()
+    assert stats["data/0/rows"] >= stats["data/0/documents"] > 0
+    assert stats["data/0/tokens"] == 3 * 2 * (SEQ + 1) and stats["data/0/epoch"] == 0
+    while batches.stats()["data/0/epoch"] == 0:  # the whole file once
+        take(batches, 1)
+    stats = batches.stats()
+    assert (stats["data/0/rows"], stats["data/0/documents"]) == (60, 59)
+    assert stats["data/0/skipped"] == stats["data/0/corrupt"] == 1
+    batches.close()
+
+
+def test_eos_constant_matches_the_tokenizer(embedded_tokenizer):
+    assert embedded_tokenizer.eos_id == EOS

@@ -1,25 +1,28 @@
-"""One rank of the two-rank resume test, started by torchrun: the trainer's data calls on
-FineWeb-Edu-schema parquet (check_data, build_tokenizer, build_train_data).
+"""One rank of the data resume test, started by torchrun: the trainer's data calls on
+FineWeb-Edu-schema parquet (check_data, build_tokenizer, build_train_data), the trainer's
+per-step agreement between ranks, real DataLoader workers.
 
-    torchrun --standalone --nproc-per-node 2 two_ranks.py OUT first  [section.key=value ...]
-        12 micro-batches uninterrupted (OUT/full<r>.pt); then a fresh stream stops after 5
-        (OUT/first<r>.pt) and saves its data state (OUT/state<r>.pt), and the process exits
-    torchrun --standalone --nproc-per-node 2 two_ranks.py OUT resume [section.key=value ...]
-        a new process loads the state and reads 7 more (OUT/resumed<r>.pt)
+    torchrun --standalone --nproc-per-node N two_ranks.py OUT first [section.key=value ...]
+        12 steps uninterrupted (OUT/full.pt: the global batches); then a fresh stream stops
+        after 5 (OUT/first.pt) and saves the merged data state of all ranks (OUT/state.pt)
+    torchrun --standalone --nproc-per-node M two_ranks.py OUT resume [section.key=value ...]
+        new processes load the state and take 7 more steps (OUT/resumed-M.pt)
 """
 
-import itertools
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from corpora import step_windows
 
 from belief_lm.config import load_config
 from belief_lm.parallel import env as process_env
 from belief_lm.parallel.collectives import rank_zero_first
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
+from belief_lm.train.loop import data_collective
 from data_pipeline.build import build_tokenizer, build_train_data, check_data
+from data_pipeline.loader import merge_states
 
 
 def main(out: str, phase: str, *overrides: str) -> None:
@@ -33,29 +36,36 @@ def main(out: str, phase: str, *overrides: str) -> None:
 
     def stream():
         return build_train_data(
-            cfg.data,
-            tokenizer,
-            cfg.model.seq_length,
-            cfg.train.micro_batch_size,
-            layout.data_rank,
-            layout.data,
-            device,
-        )
+            cfg.data, tokenizer, cfg.model.seq_length, cfg.train.global_batch_size,
+            cfg.train.micro_batch_size, layout.data_rank, layout.data, device, data_collective(),
+        )  # fmt: skip
 
-    def save(batches, steps: int, name: str) -> None:
-        windows = [torch.cat([x, y[:, -1:]], 1) for x, y in itertools.islice(batches, steps)]
-        torch.save(windows, Path(out) / f"{name}{dist.get_rank()}.pt")
+    def run(data, steps: int) -> list:
+        """The global batches (every rank's windows, in rank order) of `steps` steps."""
+        batches = []
+        for _ in range(steps):
+            mine = step_windows(data.next_step())
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            batches.append([w for rank in every for w in rank])
+        data.close()
+        return batches
 
-    state_file = Path(out) / f"state{dist.get_rank()}.pt"
+    def save(value, name: str) -> None:
+        if dist.get_rank() == 0:
+            torch.save(value, Path(out) / f"{name}.pt")
+
     if phase == "first":
-        save(stream(), 12, "full")
+        save(run(stream(), 12), "full")
         first = stream()
-        save(first, 5, "first")
-        torch.save(first.state_dict(), state_file)
+        save(run(first, 5), "first")
+        states = [None] * dist.get_world_size()
+        dist.all_gather_object(states, first.state_dict())
+        save(merge_states(states), "state")
     else:
         resumed = stream()
-        resumed.load_state_dict(torch.load(state_file, weights_only=True))
-        save(resumed, 7, "resumed")
+        resumed.load_state_dict(torch.load(Path(out) / "state.pt", weights_only=False))
+        save(run(resumed, 7), f"resumed-{dist.get_world_size()}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -101,7 +101,10 @@ def run(
     )
     engine = trainee.engine
     data = GlobalBatches(engine.gradient_accumulation_steps())
-    first = 0 if plan is None else checkpointing.restore(plan, cfg, engine, data, layout)
+    first = 0
+    if plan is not None:
+        first = checkpointing.restore(plan, cfg, engine, layout)
+        data.load_state_dict(checkpointing.load_data_state(plan))
     rename = (lambda n: canonical_name(n, cfg.model.num_layers)) if trainee.pipelined else None
 
     grads_per_step = []
@@ -125,8 +128,10 @@ def run(
     if save_at:
         tokenizer = Path(out_dir) / "tokenizer.model"  # the checkpoint copies it; any bytes do
         tokenizer.write_bytes(b"synthetic data: no tokenizer")
-        state = checkpointing.rank_state(data, layout)
-        checkpointing.save(cfg, engine, state, layout, save_at, 0, VOCAB, tokenizer)
+        state = checkpointing.rank_state(layout)
+        checkpointing.save(
+            cfg, engine, state, layout, save_at, 0, VOCAB, tokenizer, data.state_dict()
+        )
     params = full_state_dict(engine.module, rename)
     logits = None
     if not trainee.pipelined:  # logits over the whole vocabulary, for the TP -> TP=1 check

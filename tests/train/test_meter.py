@@ -1,7 +1,6 @@
 """Per-interval throughput and the per-step logs of a resumed run."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ def test_a_resumed_runs_first_interval_starts_at_its_checkpoint(monkeypatch):
     clock = iter([100.0, 102.0])
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
     meter = metrics.Meter(cfg, 4096, torch.device("cpu"), world_size=1, start=4)
-    scalars = meter.scalars(5, 3.0, 1e-3, 1.0, SimpleNamespace(wait_s=0.5))
+    scalars = meter.scalars(5, 3.0, 1e-3, 1.0, 0.5)
     # one step (5 after 4) in 2 s, not five steps since step 0
     assert scalars["step_time_s"] == pytest.approx(2.0)
     assert scalars["data_wait_s"] == pytest.approx(0.5)

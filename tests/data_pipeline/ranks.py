@@ -1,0 +1,56 @@
+"""Several data-parallel ranks' TrainData in one process (a thread each), agreeing through
+an in-memory stand-in for the trainer's all-reduce: enough to test layouts without torchrun."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from corpora import step_windows
+
+from data_pipeline.build import build_train_data
+from data_pipeline.loader import Collective
+
+
+class Ranks:
+    """`n` ranks of one data config; `steps(k)` runs k steps on all of them together."""
+
+    def __init__(self, n: int):
+        self.n, self.barrier, self.values = n, threading.Barrier(n), [None] * n
+
+    def _exchange(self, rank: int, value):
+        self.values[rank] = value
+        self.barrier.wait()
+        values = list(self.values)
+        self.barrier.wait()
+        return values
+
+    def collective(self, rank: int) -> Collective:
+        return Collective(
+            sum=lambda t: sum(self._exchange(rank, t)),
+            gather=lambda v: self._exchange(rank, v),
+        )
+
+    def build(self, data, tokenizer, seq_len: int, global_batch: int, micro: int) -> list:
+        cpu = torch.device("cpu")
+        built = []
+        for rank in range(self.n):
+            collective = self.collective(rank)
+            built.append(
+                build_train_data(
+                    data, tokenizer, seq_len, global_batch, micro, rank, self.n, cpu, collective
+                )
+            )
+        return built
+
+    def steps(self, datas: list, k: int) -> list[list[list[int]]]:
+        """k global batches: per step, every rank's windows in rank order (as
+        corpora.window_tokens: padding dropped, a padding window empty)."""
+        with ThreadPoolExecutor(self.n) as pool:
+            per_rank = list(pool.map(lambda data: _steps(data, k), datas))
+        return [[w for rank in per_rank for w in rank[step]] for step in range(k)]
+
+
+def _steps(data, k: int) -> list[list[list[int]]]:
+    return [step_windows(data.next_step()) for _ in range(k)]
