@@ -44,6 +44,14 @@ def test_without_lm_eval_the_config_is_refused_naming_the_extra():
     assert "pip install 'belief-lm[eval]'" in done.stderr
 
 
+def test_training_without_tasks_needs_no_lm_eval():
+    block = "import sys; sys.modules['lm_eval'] = None; import belief_lm.train.loop"
+    done = subprocess.run(
+        [sys.executable, "-c", block], cwd=ROOT, env=job_env(), capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_a_missing_task_file_is_refused(tmp_path, capsys):
     task = tmp_path / "nowhere.yaml"
     assert main(["config", "--config", MICRO, f"train.eval_tasks=[{task}]"]) == 2
