@@ -171,6 +171,12 @@ class TrainConfig(Section):
     """Steps between validation-loss evaluations (and at the last step); 0: never."""
     eval_batches: PositiveInt = 20
     """Held-out micro-batches per data-parallel rank in each evaluation."""
+    eval_tasks: list[str] = Field(default_factory=list)
+    """lm-evaluation-harness tasks to run on the model during training: task names, or
+    paths of local task YAML files (needs lm-eval: `pip install 'belief-lm[eval]'`)."""
+    eval_tasks_interval: int = Field(0, ge=0)
+    """Steps between runs of eval_tasks, each on the checkpoint saved at that step (a
+    multiple of checkpoint.interval; also at the last step); 0: at the last step only."""
     max_nonfinite_steps: PositiveInt = 5
     """Consecutive steps with a non-finite gradient (skipped on every rank) after which
     the run stops with an error."""
@@ -334,6 +340,22 @@ class Config(Section):
                 f"of train.micro_batch_size ({self.train.micro_batch_size})"
             )
         self.train.global_batch_size = sequences
+        return self
+
+    @model_validator(mode="after")
+    def _eval_tasks_on_checkpoints(self) -> Config:
+        """train.eval_tasks evaluate the checkpoint saved at their step: it must be saved."""
+        every, saved = self.train.eval_tasks_interval, self.checkpoint.interval
+        if self.train.eval_tasks and every and (not saved or every % saved):
+            raise ValueError(
+                f"train.eval_tasks_interval ({every}) must be a multiple of "
+                f"checkpoint.interval ({saved}): the tasks run on the checkpoint of their step"
+            )
+        if self.train.eval_tasks and not every and not self.checkpoint.save_at_end:
+            raise ValueError(
+                "train.eval_tasks run at the last step (train.eval_tasks_interval=0) on the "
+                "checkpoint saved there, but checkpoint.save_at_end is false"
+            )
         return self
 
     def to_yaml(self) -> str:

@@ -39,7 +39,7 @@ def evaluate(
     torch_device = select_device(device, env.local_rank)
     init_distributed(env, torch_device)
     layout = init_model_parallel(tensor, 1)
-    ckpt = consolidate(checkpoint)  # rank 0 converts it first, if that is needed
+    ckpt = consolidate(checkpoint)  # every rank reads the files: no conversion, no collective
     cfg = ckpt.config
     data = cfg.data
     if data_source is not None:  # a dedicated evaluation source: all of its documents

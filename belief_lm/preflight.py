@@ -60,6 +60,7 @@ def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> P
     dims = ParallelDims(world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
     check_tensor_split(cfg)
     check_readers(cfg, dims.data)
+    check_eval_tasks(cfg)
     accumulation = grad_accumulation_steps(cfg, dims.data)
     bf16 = None if device_type is None else use_bf16(cfg.train.precision, device_type)
     return Plan(dims, accumulation, bf16, plan_resume(cfg, dims))
@@ -129,6 +130,23 @@ def check_tensor_split(cfg: Config) -> None:
                 f"model.{name} ({count}) is not divisible by parallel.tensor "
                 f"({parallel.tensor}): heads are split over tensor-parallel ranks"
             )
+
+
+def check_eval_tasks(cfg: Config) -> None:
+    """train.eval_tasks need lm-evaluation-harness (the `eval` extra) and their local task
+    files. (Task names are resolved by lm-eval when the run starts: that takes seconds.)"""
+    if not cfg.train.eval_tasks:
+        return
+    try:
+        import lm_eval  # noqa: F401  (cheap: lm-eval imports its parts lazily)
+    except ImportError:
+        raise ValueError(
+            "train.eval_tasks needs lm-evaluation-harness, which is not installed: "
+            "pip install 'belief-lm[eval]'"
+        ) from None
+    for task in cfg.train.eval_tasks:
+        if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
+            raise ValueError(f"train.eval_tasks: task file {task} does not exist")
 
 
 def use_bf16(precision: str, device_type: str) -> bool:

@@ -62,7 +62,7 @@ def small_tokenizer(tmp_path_factory):
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
     """Factory: a checkpoint step directory holding a seeded random BeliefLM with the
-    small tokenizer, laid out as a one-process `belief-lm train` saves it. Keyword
+    small tokenizer, laid out as a one-process `belief-lm train` at ZeRO-0 saves it. Keyword
     arguments are ModelConfig fields over a 2-layer, width-32, 16-token model."""
     import dataclasses
     import json
@@ -82,7 +82,7 @@ def make_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
         torch.save({"module": lm.state_dict()}, step / "mp_rank_00_model_states.pt")
         (step / "config.yaml").write_text(cfg.to_yaml())
         shutil.copyfile(small_tokenizer.path, step / "tokenizer.model")
-        info = CheckpointInfo(1, 0, 1, 1, 1, 1, SMALL_EMBEDDING_ROWS)
+        info = CheckpointInfo(1, 0, 1, 1, 1, 0, SMALL_EMBEDDING_ROWS)
         (step / "run.json").write_text(json.dumps(dataclasses.asdict(info)))
         return step
 

@@ -1,27 +1,42 @@
 """A checkpoint as one model: its config, whole fp32 weights under BeliefLM's parameter
-names, and its tokenizer, whatever layout saved it. What evaluation, generation and
-export start from.
+names, and its tokenizer, whatever layout saved it. What evaluation, generation, export
+and downstream evaluation start from. Reading it needs no process group and builds no
+model, so any process can do it (a plain `python`, one rank of any job).
 
-- one shard (TP=1, PP=1) without ZeRO-3: the weights in DeepSpeed's model-state file;
-- ZeRO 1/2 on any layout: the universal form (belief_lm/checkpoint/universal.py), which
-  merges TP slices and ZeRO fragments into whole fp32 tensors (converted once, kept next
-  to the checkpoint as <step>-universal);
-- ZeRO-3 at TP=1, PP=1: DeepSpeed's zero_to_fp32 consolidation.
-Other combinations (ZeRO-0 with TP/PP > 1, ZeRO-3 with TP > 1) are refused by name.
+The weights are the fp32 master copy wherever the run kept one:
+- ZeRO 1/2, and DeepSpeed's bf16 optimizer (which keeps masters at ZeRO-0 with a pipeline
+  too): each data-parallel rank's flat fp32 partition in its `*zero_pp_rank_*_optim_states.pt`
+  file, cut where DeepSpeed's param_slice_mappings say (as its universal converter does);
+- ZeRO-3: DeepSpeed's zero_to_fp32, once per tensor-parallel rank;
+- ZeRO-0 otherwise: the module's weights, the only copy there is (in fp32 the optimizer
+  updates them; in bf16 without a pipeline DeepSpeed updates the bf16 weights in place).
+Model-parallel rank m holds pipeline stage m // TP and tensor-parallel slice m % TP (TP
+innermost); the slices are joined as `universal_info` describes them to DeepSpeed's
+universal converter, and pipeline names are mapped to BeliefLM's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+import sys
+import tempfile
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
+from deepspeed.checkpoint import constants as ds
 
 from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo, read_info
-from belief_lm.checkpoint.universal import ensure_universal
-from belief_lm.config import Config
+from belief_lm.checkpoint.universal import universal_info
+from belief_lm.config import Config, ModelConfig
 from belief_lm.model.gpt import BeliefLM
+from belief_lm.model.pipeline import canonical_name
+
+Slices = dict[str, list[torch.Tensor]]
+"""BeliefLM name -> the tensor-parallel slices of one parameter, in TP-rank order."""
 
 
 @dataclass
@@ -36,7 +51,8 @@ class Consolidated:
     tokenizer_path: Path
 
     def build_model(self, tensor_parallel: int = 1) -> BeliefLM:
-        """BeliefLM at TP=1 with these weights (eval mode, fp32, CPU)."""
+        """BeliefLM at TP=1 with these weights (eval mode, fp32, CPU). Needs megatron's
+        process groups, as any BeliefLM (belief_lm.parallel.setup.single_process_groups)."""
         if tensor_parallel != 1:
             raise ValueError("build_model builds a single-process (TP=1) model")
         model = BeliefLM(self.config.model, self.info.vocab_size, seed=self.config.run.seed)
@@ -68,35 +84,129 @@ def consolidate(path: str | Path) -> Consolidated:
     tokenizer = path / "tokenizer.model"
     if not tokenizer.is_file():
         raise CheckpointError(f"checkpoint {path} has no tokenizer.model")
-    return Consolidated(path, info, config, _weights(path, info, config), tokenizer)
+    masters = any(path.glob("*_optim_states.pt"))
+    if info.zero_stage > 0 and not masters:
+        raise CheckpointError(f"checkpoint {path} (ZeRO {info.zero_stage}) has no optimizer files")
+    slices: Slices = defaultdict(list)
+    for tp_rank in range(info.tensor):
+        if info.zero_stage == 3:  # no pipeline: model-parallel rank = TP rank
+            stages = [_zero3_masters(path, tp_rank)]
+        else:
+            module = _module_slice(path, tp_rank, info, config.model)
+            stages = [module]
+            if masters:
+                ranks = [stage * info.tensor + tp_rank for stage in range(info.pipeline)]
+                stages = [_partitioned_masters(path, r, info, config.model, module) for r in ranks]
+        whole_slice: dict[str, torch.Tensor] = {}
+        for stage in stages:  # a tied embedding is on two stages: the first one's
+            for name, tensor in stage.items():
+                whole_slice.setdefault(name, tensor)
+        for name, tensor in whole_slice.items():
+            slices[name].append(tensor.float())
+    sharding = universal_info(config.model)
+    state = {name: _join(name, parts, sharding) for name, parts in slices.items()}
+    return Consolidated(path, info, config, state, tokenizer)
 
 
-def _weights(path: Path, info: CheckpointInfo, config: Config) -> dict[str, torch.Tensor]:
-    single = info.tensor == 1 and info.pipeline == 1
-    if single and info.zero_stage < 3:
-        weights = path / "mp_rank_00_model_states.pt"
-        if not weights.is_file():
-            raise CheckpointError(f"checkpoint {path} has no {weights.name}")
-        state = torch.load(weights, map_location="cpu", weights_only=False)
-        return {k: v.float() for k, v in state["module"].items() if not k.endswith("_extra_state")}
-    if info.zero_stage in (1, 2):
-        universal = ensure_universal(path, config.model)
-        names = [n for n, _ in _meta_model(config, info).named_parameters()]
-        return {
-            name: torch.load(universal / "zero" / name / "fp32.pt", weights_only=False)["param"]
-            for name in names
-        }
-    if single and info.zero_stage == 3:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
-        return {k: v.float() for k, v in state.items()}
-    raise CheckpointError(
-        f"checkpoint {path} (ZeRO {info.zero_stage}, TP{info.tensor} x PP{info.pipeline}) "
-        "cannot be consolidated: DeepSpeed merges TP/PP shards only for ZeRO 1/2 checkpoints"
-    )
+def _module_slice(
+    path: Path, tp_rank: int, info: CheckpointInfo, model: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Tensor-parallel slice `tp_rank` of the module's weights (every stage's): DeepSpeed's
+    model-state file, or with a pipeline the layer files `layer_<index>-model_<tp rank>`."""
+    if info.pipeline == 1:
+        file = path / f"mp_rank_{tp_rank:02d}_model_states.pt"
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} has no {file.name}")
+        return _canonical(_load(file)["module"], info, model)
+    layers = sorted(path.glob(f"layer_*-model_{tp_rank:02d}-model_states.pt"))
+    if not layers:
+        raise CheckpointError(f"checkpoint {path} has no layer files of tensor rank {tp_rank}")
+    state = {}
+    for file in layers:
+        index = int(file.name.split("-")[0].removeprefix("layer_"))
+        state.update({f"{index}.{key}": value for key, value in _load(file).items()})
+    return _canonical(state, info, model)
 
 
-def _meta_model(config: Config, info: CheckpointInfo) -> BeliefLM:
-    with torch.device("meta"):
-        return BeliefLM(config.model, info.vocab_size)
+def _partitioned_masters(
+    path: Path, rank: int, info: CheckpointInfo, model: ModelConfig, module: dict
+) -> dict[str, torch.Tensor]:
+    """Model-parallel rank `rank`'s fp32 masters from ZeRO-1/2 or bf16-optimizer files: its
+    data-parallel ranks' flat fp32 partitions, cut where DeepSpeed's param_slice_mappings
+    say and shaped like the module's weights. (DeepSpeed's zero_to_fp32 reads neither a
+    pipeline's model-state files nor bf16-optimizer files without ZeRO; its universal
+    converter reads the same mappings, but not the latter either.)"""
+    files = path.glob(f"*zero_pp_rank_*_mp_rank_{rank:02d}_optim_states.pt")
+    files = sorted(files, key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", f.name)[1]))
+    if len(files) != info.data:
+        raise CheckpointError(
+            f"checkpoint {path}: {len(files)} optimizer files of model-parallel rank {rank}, "
+            f"expected one per data-parallel rank ({info.data})"
+        )
+    pieces = defaultdict(list)  # name -> its fragments, in data-parallel rank order
+    for file in files:
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=False)
+        optimizer = state[ds.OPTIMIZER_STATE_DICT]
+        groups = zip(
+            optimizer[ds.SINGLE_PARTITION_OF_FP32_GROUPS], optimizer[ds.PARAM_SLICE_MAPPINGS],
+            strict=True,
+        )  # fmt: skip
+        for flat, fragments in groups:
+            for name, fragment in fragments.items():
+                pieces[name].append(flat.narrow(0, fragment.start, fragment.numel))
+    flat = _canonical({name: torch.cat(parts) for name, parts in pieces.items()}, info, model)
+    return {name: tensor.view(module[name].shape) for name, tensor in flat.items()}
+
+
+def _zero3_masters(path: Path, rank: int) -> dict[str, torch.Tensor]:
+    """Model-parallel rank `rank`'s fp32 masters from ZeRO-3 files, merged over its
+    data-parallel ranks by DeepSpeed's zero_to_fp32 (which reads every file of a
+    directory: it is given a view of this rank's files)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="consolidate-") as tmp:
+        view = Path(tmp) / path.name
+        view.mkdir()
+        for file in path.glob(f"*zero_pp_rank_*_mp_rank_{rank:02d}_*_states.pt"):
+            (view / file.name).symlink_to(file.resolve())
+        # stdout belongs to the commands' output (generated text, JSON): its prints go aside
+        with contextlib.redirect_stdout(sys.stderr):
+            try:
+                return get_fp32_state_dict_from_zero_checkpoint(tmp, tag=path.name)
+            except (FileNotFoundError, ValueError) as err:
+                raise CheckpointError(
+                    f"checkpoint {path}: model-parallel rank {rank}: {err}"
+                ) from None
+
+
+def _load(file: Path) -> dict:
+    return torch.load(file, map_location="cpu", weights_only=False)
+
+
+def _canonical(state: dict, info: CheckpointInfo, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """`state` under BeliefLM's names (pipeline names mapped), without megatron's empty
+    `_extra_state` entries."""
+    rename = (lambda n: canonical_name(n, model.num_layers)) if info.pipeline > 1 else None
+    return {
+        rename(name) if rename else name: tensor
+        for name, tensor in state.items()
+        if not name.endswith("_extra_state")
+    }
+
+
+def _join(name: str, parts: list[torch.Tensor], sharding: dict) -> torch.Tensor:
+    """The whole parameter from its tensor-parallel slices: replicated (any slice),
+    row-parallel (joined along dim 1), a SwiGLU fc1 ([gate_r; up_r] on each rank) or
+    column-parallel (dim 0, the default, vocabulary-parallel embeddings included)."""
+
+    def sharded(key: str) -> bool:
+        return any(re.match(pattern, name) for pattern in sharding.get(key, ()))
+
+    if len(parts) == 1 or sharded(ds.TP_REPLICATED_PARAMETER_PATTERNS):
+        return parts[0]
+    if sharded(ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS):
+        return torch.cat(parts, dim=1)
+    if sharded(ds.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0):
+        halves = [part.chunk(2, dim=0) for part in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=0)

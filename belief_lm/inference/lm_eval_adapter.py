@@ -8,7 +8,8 @@ outside its own package; running the module is lm-eval's command line with it re
         --model_args checkpoint=runs/tiny/checkpoints/step_000300 --tasks hellaswag
 
 From Python: `import belief_lm.inference.lm_eval_adapter` and then
-`lm_eval.simple_evaluate(model="belief-lm", model_args={"checkpoint": ...}, ...)`.
+`lm_eval.simple_evaluate(model="belief-lm", model_args={"checkpoint": ...}, ...)`, or
+`evaluate_tasks(checkpoint, tasks)` (what training's train.eval_tasks run).
 
 Log-likelihoods are batched (right-padded: every variant is causal, so padding after a
 sequence cannot change it) and use the model's full output distribution, as training's
@@ -23,8 +24,11 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.evaluator import simple_evaluate
+from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
@@ -149,6 +153,49 @@ class BeliefLMEval(TemplateLM):
         for stop in until:
             text = text.split(stop)[0]
         return text
+
+
+class _TaskYaml(yaml.SafeLoader):
+    """lm-eval task YAML: its `!function` tags (Python hooks) read as None."""
+
+
+_TaskYaml.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def resolve_tasks(tasks: list[str]) -> tuple[list[str], TaskManager]:
+    """lm-eval's names for `tasks` (task names, or paths of local task YAML files, whose
+    folders join lm-eval's search path) and a TaskManager that finds them. ValueError
+    naming an unknown task or an unreadable task file."""
+    names, folders = [], []
+    for task in tasks:
+        if not task.endswith((".yaml", ".yml")):
+            names.append(task)
+            continue
+        try:
+            config = yaml.load(Path(task).read_text(), _TaskYaml)  # a SafeLoader
+        except (OSError, yaml.YAMLError) as err:
+            raise ValueError(f"task file {task}: {err}") from None
+        if not isinstance(config, dict) or not isinstance(config.get("task"), str):
+            raise ValueError(f"task file {task} names no task (its `task:` key)")
+        names.append(config["task"])
+        folders.append(str(Path(task).resolve().parent))
+    # lm-eval's own tasks are indexed (seconds) only when a name asks for them
+    manager = TaskManager(include_path=folders or None, include_defaults=len(folders) < len(tasks))
+    unknown = [name for name in names if not manager.match_tasks([name])]
+    if unknown:
+        raise ValueError(f"lm-eval knows no task {', '.join(map(repr, unknown))}")
+    return names, manager
+
+
+def evaluate_tasks(
+    checkpoint: str | Path, tasks: list[str], device: str = "auto", batch_size: int = 8
+) -> dict[str, dict]:
+    """lm-eval's results of `tasks` (see resolve_tasks) on `checkpoint`: per task, each
+    metric (with lm-eval's filter, e.g. 'acc,none') and its standard error."""
+    names, manager = resolve_tasks(tasks)
+    model = BeliefLMEval(checkpoint, batch_size=batch_size, device=device)
+    results = simple_evaluate(model=model, tasks=names, task_manager=manager, log_samples=False)
+    return results["results"]
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from belief_lm.parallel.dims import Layout
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
 from belief_lm.preflight import Plan, preflight
 from belief_lm.runtime import select_device
-from belief_lm.train import checkpointing
+from belief_lm.train import checkpointing, downstream
 from belief_lm.train.diagnostics import belief_diagnostics
 from belief_lm.train.engine import Trainee, build_engine
 from belief_lm.train.metrics import Meter, MetricsLogger, format_scalars
@@ -62,6 +62,8 @@ class TrainResult:
     """Validation loss at every evaluated step."""
     skipped_steps: list[int] = field(default_factory=list)
     """Steps whose update was skipped because a gradient was not finite."""
+    task_scores: dict[int, dict[str, float] | None] = field(default_factory=dict)
+    """train.eval_tasks scores at every step they ran (on rank 0; None elsewhere)."""
 
 
 def train(cfg: Config) -> TrainResult:
@@ -87,7 +89,9 @@ def train(cfg: Config) -> TrainResult:
                     trainer.diagnose()
                 stopping = stop.agreed()  # a stop signal on any rank (one small all-reduce)
                 if stopping or trainer.checkpoint_due():
-                    trainer.save()
+                    checkpoint = trainer.save()
+                    if not stopping and downstream.due(cfg.train, step):
+                        result.task_scores[step] = trainer.evaluate_tasks(checkpoint)
                 if stopping:
                     raise Preempted(step)
     finally:
@@ -152,6 +156,8 @@ class Trainer:
         check_data(cfg.data)
         init_distributed(env, device, cfg.parallel.timeout_s)
         layout = init_model_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
+        if cfg.train.eval_tasks:
+            downstream.check_tasks(cfg.train.eval_tasks)  # lm-eval resolves them (rank 0)
         is_logger = dist.get_rank() == 0
         run_dir = prepare_run_dir(cfg, write=is_logger)
 
@@ -251,6 +257,15 @@ class Trainer:
             self.metrics.log(self.step, scalars, prefix="val")
             log.info("step %d | %s", self.step, format_scalars(scalars))
         return loss
+
+    def evaluate_tasks(self, checkpoint: Path) -> dict[str, float] | None:
+        """Run train.eval_tasks on `checkpoint` and log their scores (collective)."""
+        cfg = self.cfg
+        scores = downstream.evaluate(cfg.train, checkpoint, cfg.run.device, self.run_dir)
+        if self.metrics is not None:
+            self.metrics.log(self.step, scores, prefix="downstream")
+            log.info("step %d | %s", self.step, format_scalars(scores))
+        return scores
 
     def diagnose(self) -> None:
         """Belief diagnostics on this step's last micro-batch (training is not perturbed)."""
