@@ -256,7 +256,8 @@ def _launch(args: argparse.Namespace, cfg: Config) -> int:
     from launcher import local, slurm
 
     device_type = "cuda" if cfg.launch.gpus_per_node else "cpu"
-    preflight(cfg, cfg.launch.world_size, device_type)  # ValueError: main() exits 2
+    for world_size in cfg.launch.world_sizes:  # every allocation the job may get
+        preflight(cfg, world_size, device_type)  # ValueError: main() exits 2
     train_args = [*(["--config", args.config] if args.config else []), *args.overrides]
     if args.target == "local":
         command = local.torchrun_command(cfg, train_args)

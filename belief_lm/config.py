@@ -250,6 +250,10 @@ class LaunchConfig(Section):
 
     nodes: PositiveInt = 1
     """Nodes (SLURM); `launch local` runs on one."""
+    min_nodes: PositiveInt | None = None
+    """Accept an allocation of as few as this many nodes (SLURM --nodes=MIN-MAX): a job
+    requeued while nodes are down runs on those it gets and continues the run at the
+    smaller data-parallel size; None: exactly `nodes`."""
     gpus_per_node: int = Field(0, ge=0)
     """GPUs per node, one task each; 0: CPU tasks (gloo)."""
     tasks_per_node: PositiveInt | None = None
@@ -287,6 +291,8 @@ class LaunchConfig(Section):
                 f"tasks_per_node ({self.tasks_per_node}) must equal gpus_per_node "
                 f"({self.gpus_per_node}): one task per GPU"
             )
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) must not exceed nodes ({self.nodes})")
         if self.signal_seconds >= 60 * self.time_minutes:
             raise ValueError(
                 f"signal_seconds ({self.signal_seconds}) must be shorter than time_minutes "
@@ -303,6 +309,11 @@ class LaunchConfig(Section):
     def world_size(self) -> int:
         """Processes of the whole job: nodes x tasks per node."""
         return self.nodes * self.tasks
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """Every world size the job may run at (min_nodes .. nodes, x tasks per node)."""
+        return [n * self.tasks for n in range(self.min_nodes or self.nodes, self.nodes + 1)]
 
 
 class Config(Section):

@@ -59,9 +59,9 @@ def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> P
     check_engine_settings(cfg)  # the config alone first, then against the job's size
     dims = ParallelDims(world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
     check_tensor_split(cfg)
+    accumulation = grad_accumulation_steps(cfg, dims.data)
     check_readers(cfg, dims.data)
     check_eval_tasks(cfg)
-    accumulation = grad_accumulation_steps(cfg, dims.data)
     bf16 = None if device_type is None else use_bf16(cfg.train.precision, device_type)
     return Plan(dims, accumulation, bf16, plan_resume(cfg, dims))
 

@@ -6,9 +6,9 @@ Writes a FineWeb-Edu-schema parquet corpus (the embedded corpus's documents join
 ~--doc-chars documents, --copies times with distinct ids), then measures
   raw:      tokens/s of Tokenizer.encode_batch (one thread, EOS added, batches of the
             pipeline's read size) over the corpus's texts, already in memory;
-  pipeline: tokens/s of build_train_data's micro-batches (parquet read, row parsing,
+  pipeline: tokens/s of build_train_data's steps (parquet read, row parsing,
             tokenization in DataLoader workers, packing, batching) with 1 and 2 workers
-            (and 0: all in this process), after the first batch (start-up is separate),
+            (and 0: all in this process), after the first step (start-up is separate),
             per second of wall time and per second of the workers' CPU time;
 and the largest resident memory of a worker while streaming a 1x and a 16x corpus. The
 machine may be shared: each round measures raw, 1 worker and 2 workers back to back, ratios
@@ -82,17 +82,18 @@ def pipeline_run(data: DataConfig, tokenizer, tokens: int, seq_len: int, batch: 
     """Stream about `tokens` tokens: throughput after the first batch, per second of wall
     time and per second of the workers' CPU time; the workers' largest memory."""
     start = time.perf_counter()
-    batches = build_train_data(data, tokenizer, seq_len, batch, 0, 1, torch.device("cpu"))
-    next(batches)
+    steps = build_train_data(data, tokenizer, seq_len, batch, batch, 0, 1, torch.device("cpu"))
+    steps.next_step()
     first = time.perf_counter()
     workers = psutil.Process().children() or [psutil.Process()]  # none: all in this process
     cpu = _cpu_seconds(workers)
     n = max(2, tokens // (batch * (seq_len + 1)))
     rss = 0
     for i in range(n - 1):
-        next(batches)
+        steps.next_step()
         if i % 10 == 0:
             rss = max([rss, *(w.memory_info().rss for w in workers)])
+    steps.close()
     streamed = (n - 1) * batch * (seq_len + 1)
     return {
         "startup_s": first - start,

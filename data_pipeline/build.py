@@ -4,6 +4,7 @@ interface: the trainer imports these functions and nothing deeper."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Iterator
@@ -114,6 +115,8 @@ def build_train_data(
     readers (default: one per sequence of the global batch), this rank's share of them."""
     readers = data.readers or global_batch_size
     settings = _settings(data, seq_len + 1, "train", readers=readers)
+    if data.num_workers == 0:  # tokenizing in this process: sentencepiece's thread pool
+        settings = dataclasses.replace(settings, threads=-1)
     sources = _open(data, tokenizer, settings)
     plan = Plan(readers, global_batch_size, dp_rank, dp_size)
     layout = {  # what the positions in a saved state are positions of

@@ -33,7 +33,9 @@ def sbatch_options(cfg: Config) -> list[str]:
     launch = cfg.launch
     options = [
         f"--job-name={job_name(cfg)}",
-        f"--nodes={launch.nodes}",
+        f"--nodes={launch.nodes}"
+        if launch.min_nodes in (None, launch.nodes)
+        else f"--nodes={launch.min_nodes}-{launch.nodes}",
         f"--ntasks-per-node={launch.tasks}",
     ]
     optional = {

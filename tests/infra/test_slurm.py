@@ -173,12 +173,15 @@ def test_requeue_stops_after_max_restarts(slurm_cluster, tmp_path):
     assert "(MAX_RESTARTS=0): not requeueing" in log.read_text()
 
 
-def submit_training(conf: Path, run_dir: Path, cache_dir: str, steps: int) -> tuple[int, Path]:
-    """The template by hand with the real trainer: 2 nodes, one data-parallel rank each."""
+def submit_training(
+    conf: Path, run_dir: Path, cache_dir: str, steps: int, nodes: str = "2"
+) -> tuple[int, Path]:
+    """The template by hand with the real trainer: 2 nodes (or `nodes`, e.g. a range 1-2),
+    one data-parallel rank each."""
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     out = run(
         [
-            "sbatch", "--parsable", "--nodes=2", f"--output={run_dir}.log",
+            "sbatch", "--parsable", f"--nodes={nodes}", f"--output={run_dir}.log",
             str(ROOT / "slurm/pretrain.sbatch"), *TINY_RUN, f"train.max_steps={steps}",
             "run.log_interval=1", f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}",
         ],
@@ -187,23 +190,46 @@ def submit_training(conf: Path, run_dir: Path, cache_dir: str, steps: int) -> tu
     return int(out.strip()), Path(f"{run_dir}.log")
 
 
-def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_one(
-    slurm_cluster, tmp_path, cache_dir
-):
-    """The real trainer: SIGUSR1 mid-run (as --signal=B:USR1@N sends it before the time
-    limit) -> every rank finishes its step, saves, exits 75 -> the job requeues itself ->
-    the restarted job resumes from the checkpoint -> the same final loss, bit for bit."""
-    steps = 30
-    job_id, log = submit_training(slurm_cluster, tmp_path / "whole", cache_dir, steps)
-    assert wait_for_job(slurm_cluster, job_id)["JobState"] == "COMPLETED", log.read_text()[-3000:]
+STEPS = 30
 
-    job_id, log = submit_training(slurm_cluster, tmp_path / "preempted", cache_dir, steps)
-    metrics = tmp_path / "preempted" / "metrics.jsonl"
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm_cluster, tmp_path_factory, cache_dir) -> dict[int, float]:
+    """The losses of a whole run of STEPS steps on the 2 nodes."""
+    run_dir = tmp_path_factory.mktemp("whole") / "run"
+    job_id, log = submit_training(slurm_cluster, run_dir, cache_dir, STEPS)
+    assert wait_for_job(slurm_cluster, job_id)["JobState"] == "COMPLETED", log.read_text()[-3000:]
+    return losses(run_dir)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def stop_mid_run(conf: Path, job_id: int, run_dir: Path, log: Path, before=None) -> None:
+    """Once 5 steps are logged: `before()`, then SIGUSR1 to the batch shell (as
+    --signal=B:USR1@N sends it before the time limit)."""
+    metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 5:
         assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
         time.sleep(0.5)
-    slurm(slurm_cluster, "scancel", "--batch", "--signal=USR1", str(job_id))
+    if before is not None:
+        before()
+    slurm(conf, "scancel", "--batch", "--signal=USR1", str(job_id))
+
+
+def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_one(
+    slurm_cluster, tmp_path, cache_dir, uninterrupted
+):
+    """The real trainer: SIGUSR1 mid-run -> every rank finishes its step, saves, exits 75
+    -> the job requeues itself -> the restarted job resumes from the checkpoint -> the
+    same losses, bit for bit."""
+    steps = STEPS
+    job_id, log = submit_training(slurm_cluster, tmp_path / "preempted", cache_dir, steps)
+    metrics = tmp_path / "preempted" / "metrics.jsonl"
+    stop_mid_run(slurm_cluster, job_id, tmp_path / "preempted", log)
     state = wait_for_job(slurm_cluster, job_id, timeout=400)
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text[-4000:]
@@ -211,12 +237,35 @@ def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_o
     assert 5 <= stopped_at < steps
     assert f"resuming after step {stopped_at}" in text
     assert f"requeueing job {job_id}" in text
-    whole = {
-        json.loads(x)["step"]: json.loads(x)["loss"]
-        for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
-    }
-    resumed = {
-        json.loads(x)["step"]: json.loads(x)["loss"] for x in metrics.read_text().splitlines()
-    }
+    resumed = losses(metrics.parent)
     assert sorted(resumed) == list(range(1, steps + 1))  # no step lost or repeated
-    assert resumed == whole
+    assert resumed == uninterrupted
+
+
+def test_a_job_requeued_onto_fewer_nodes_continues_the_run(
+    slurm_cluster, tmp_path, cache_dir, uninterrupted
+):
+    """--nodes=1-2: the job starts on both nodes; stopped mid-run while node2 is drained,
+    its requeue runs on node1 alone and continues at data-parallel size 1 (twice the
+    gradient accumulation, the universal checkpoint) with the uninterrupted losses."""
+    run_dir = tmp_path / "shrunk"
+    job_id, log = submit_training(slurm_cluster, run_dir, cache_dir, STEPS, nodes="1-2")
+    drain = ["scontrol", "update", "NodeName=node2"]
+    try:
+        stop_mid_run(
+            slurm_cluster, job_id, run_dir, log,
+            before=lambda: slurm(slurm_cluster, *drain, "State=DRAIN", "Reason=test"),
+        )  # fmt: skip
+        state = wait_for_job(slurm_cluster, job_id, timeout=400)
+    finally:
+        slurm(slurm_cluster, *drain, "State=RESUME")
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text[-4000:]
+    assert f"job {job_id} restart 0 on node[1-2]: 2 nodes, 2 tasks" in text
+    assert f"job {job_id} restart 1 on node1: 1 nodes, 1 tasks" in text
+    assert "layout TP1 x PP1 x DP1" in text
+    stopped_at = int(re.search(r"stopped on request after step (\d+)", text)[1])
+    resumed = losses(run_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))  # no step lost or repeated
+    for step in range(stopped_at + 1, STEPS + 1):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
