@@ -23,10 +23,20 @@ import sys
 from pathlib import Path
 
 import torch
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ModuleNotFoundError as err:  # lm-eval is an optional extra, not a runtime dependency
+    if err.name != "lm_eval":
+        raise
+    raise ModuleNotFoundError(
+        "belief_lm.inference.lm_eval_adapter needs lm-evaluation-harness, belief-lm's 'eval' "
+        "extra: pip install -e '.[eval]' (bash setup.sh --dev installs it)",
+        name=err.name,
+    ) from err
 
 from belief_lm.inference.generate import Sampling, generate
 from belief_lm.inference.load import load_model
