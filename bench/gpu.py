@@ -1,6 +1,6 @@
 """One command that characterises a GPU for belief-lm: correctness first, then throughput.
 
-    python bench/gpu.py --out OUT.json        # on a GPU, within --time-limit (480 s)
+    python bench/gpu.py --out OUT.json        # on a GPU, within --time-limit (450 s)
     python bench/gpu.py --paper --out OUT.json  # the paper configs at one GPU's batch share
     python bench/gpu.py --smoke [--paper]     # the same code on CPU at a tiny shape (CI)
 
@@ -154,7 +154,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--paper-steps", type=int, help="steps per paper config (default 50)")
     parser.add_argument(
-        "--time-limit", type=float, default=480, help="seconds; later runs are skipped"
+        "--time-limit", type=float, default=450, help="seconds; later runs are skipped"
     )
     args = parser.parse_args()
     small = args.smoke
