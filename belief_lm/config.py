@@ -163,6 +163,10 @@ class TrainConfig(Section):
     """AdamW ε."""
     grad_clip: float = Field(1.0, ge=0)
     """Global gradient-norm clip; 0 disables it."""
+    adamw_kernel: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    """torch AdamW's implementation (the same update): fused (one kernel for all
+    parameters), foreach (batched ops) or for_loop (one parameter at a time); auto: fused on
+    GPU, for_loop on CPU."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision; auto: bf16 on GPU, fp32 on CPU."""
     activation_checkpointing: bool = False

@@ -25,12 +25,22 @@ from pathlib import Path
 
 import torch
 import yaml
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
-from lm_eval.evaluator import simple_evaluate
-from lm_eval.tasks import TaskManager
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.evaluator import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ModuleNotFoundError as err:  # lm-eval is an optional extra, not a runtime dependency
+    if err.name != "lm_eval":
+        raise
+    raise ModuleNotFoundError(
+        "belief_lm.inference.lm_eval_adapter needs lm-evaluation-harness, belief-lm's 'eval' "
+        "extra: pip install -e '.[eval]' (bash setup.sh --dev installs it)",
+        name=err.name,
+    ) from err
 
 from belief_lm.inference.generate import Sampling, generate
 from belief_lm.inference.load import load_model

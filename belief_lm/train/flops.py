@@ -12,8 +12,17 @@ import torch
 
 from belief_lm.config import ModelConfig
 
-PEAK_DENSE_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
-"""Vendor peak dense bf16 TFLOP/s by device-name substring (H100: SXM figure)."""
+PEAK_DENSE_BF16_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H200 NVL": 835.0,
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+}
+"""Vendor peak dense bf16 TFLOP/s by device-name substring, the first that matches (so the
+PCIe and NVL boards come before the SXM figure of their name)."""
 
 
 def matmul_weights(model: ModelConfig, vocab_size: int) -> int:

@@ -64,15 +64,23 @@ class GuardedAdamW(torch.optim.AdamW):
         return None if self.skipped else super().step(closure)
 
 
+def adamw_kernel(kernel: str, device: torch.device) -> dict[str, bool]:
+    """torch AdamW's `fused` / `foreach` flags for train.adamw_kernel on `device` (auto:
+    the fused kernel on GPU; on CPU the for-loop path that torch picks there by default)."""
+    if kernel == "auto":
+        kernel = "fused" if device.type == "cuda" else "for_loop"
+    return {"fused": kernel == "fused", "foreach": kernel == "foreach"}
+
+
 def build_optimizer(
     model: torch.nn.Module, train: TrainConfig, device: torch.device
 ) -> tuple[GuardedAdamW, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW (fused kernel on GPU) that skips non-finite steps, and its LambdaLR schedule."""
+    """AdamW (train.adamw_kernel) that skips non-finite steps, and its LambdaLR schedule."""
     optimizer = GuardedAdamW(
         param_groups(model, train.weight_decay),
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         eps=train.eps,
-        fused=device.type == "cuda",
+        **adamw_kernel(train.adamw_kernel, device),
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(train))

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+pytest.importorskip("lm_eval", reason="lm-eval is the eval extra (bash setup.sh --dev)")
+
 from belief_lm.inference.generate import Sampling, generate
 from belief_lm.inference.load import load_model
 

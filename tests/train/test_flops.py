@@ -29,3 +29,12 @@ def test_flops_per_token_and_peak():
     assert peak_tflops(torch.device("cpu"), None) is None
     assert peak_tflops(torch.device("cpu"), 2.5) == 2.5
     assert set(VARIANTS) >= {"belief_star"}
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0)],
+)
+def test_peak_of_a_gpu_by_its_name(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
+    assert peak_tflops(torch.device("cuda", 0), None) == peak

@@ -1,11 +1,13 @@
+import copy
 import itertools
 import math
 
 import pytest
 import torch
 
-from belief_lm.config import TrainConfig
-from belief_lm.train.optim import WarmupCosine, build_optimizer, param_groups
+from belief_lm.config import TrainConfig, load_config
+from belief_lm.train.loop import train
+from belief_lm.train.optim import WarmupCosine, adamw_kernel, build_optimizer, param_groups
 
 
 def test_warmup_then_cosine_to_min_lr():
@@ -38,3 +40,62 @@ def test_weight_decay_only_on_matrices():
     optimizer, _ = build_optimizer(model, TrainConfig(lr=0.5, warmup_steps=5), torch.device("cpu"))
     assert isinstance(optimizer, torch.optim.AdamW)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # 0.5 x 1/5 at step 0
+
+
+@pytest.mark.parametrize(
+    ("kernel", "device", "flags"),
+    [
+        ("auto", "cuda", {"fused": True, "foreach": False}),
+        ("auto", "cpu", {"fused": False, "foreach": False}),  # torch's own CPU default
+        ("fused", "cpu", {"fused": True, "foreach": False}),
+        ("foreach", "cuda", {"fused": False, "foreach": True}),
+        ("for_loop", "cuda", {"fused": False, "foreach": False}),
+    ],
+)
+def test_adamw_kernel_flags(kernel, device, flags):
+    assert adamw_kernel(kernel, torch.device(device)) == flags
+
+
+def test_adamw_kernels_take_the_same_steps():
+    """fused (torch has a CPU kernel since 2.4), foreach and for_loop: the same AdamW
+    updates, with weight decay groups and the warmup schedule, to fp32 rounding."""
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(
+        torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)
+    )
+    grads = [[torch.randn_like(p) for p in start.parameters()] for _ in range(6)]
+    weights = {}
+    for kernel in ("for_loop", "foreach", "fused"):
+        model = copy.deepcopy(start)
+        cfg = TrainConfig(lr=1e-2, warmup_steps=2, max_steps=6, adamw_kernel=kernel)
+        optimizer, scheduler = build_optimizer(model, cfg, torch.device("cpu"))
+        assert optimizer.defaults["fused"] == (kernel == "fused")
+        for step_grads in grads:
+            for param, grad in zip(model.parameters(), step_grads, strict=True):
+                param.grad = grad.clone()
+            optimizer.step()
+            scheduler.step()
+        weights[kernel] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    initial = torch.cat([p.detach().flatten() for p in start.parameters()])
+    assert (weights["for_loop"] - initial).abs().max() > 1e-2  # the steps moved the weights
+    for kernel in ("foreach", "fused"):
+        torch.testing.assert_close(weights[kernel], weights["for_loop"], rtol=1e-6, atol=1e-6)
+
+
+def test_fused_adamw_through_deepspeed_trains_alike(tmp_path, cache_dir):
+    """The option reaches the optimizer DeepSpeed's ZeRO-1 steps: same losses (fp32)."""
+    losses = {}
+    for kernel in ("for_loop", "fused"):
+        cfg = load_config(
+            "configs/tiny.yaml",
+            [
+                "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=192",
+                "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=4",
+                "train.max_steps=4", "train.warmup_steps=1", "run.log_interval=1",
+                "run.tensorboard=false", f"train.adamw_kernel={kernel}",
+                f"run.output_dir={tmp_path / kernel}", f"run.cache_dir={cache_dir}",
+            ],
+        )  # fmt: skip
+        losses[kernel] = list(train(cfg).losses.values())
+    assert losses["fused"] == pytest.approx(losses["for_loop"], rel=1e-5)
+    assert losses["fused"][-1] < losses["fused"][0]

@@ -1,0 +1,609 @@
+"""One command that characterises a GPU for belief-lm: correctness first, then throughput.
+
+    python bench/gpu.py --out OUT.json        # on a GPU, within --time-limit (450 s)
+    python bench/gpu.py --paper --out OUT.json  # the paper configs at one GPU's batch share
+    python bench/gpu.py --smoke [--paper]     # the same code on CPU at a tiny shape (CI)
+
+Correctness: 50 steps of `tiny` in bf16 against fp32 from the same weights and batches
+(loss within --loss-tolerance, relative, at every step); the SDPA kernel every attention
+variant runs at each preset's shape (flash / cudnn / efficient / math, from the profiler:
+variants with masks may fall back); belief's inner products computed from the model's own
+bf16 activations (dtype, and error against fp64); the NCCL process group (TP=1).
+
+Throughput: each model x attention x option set (named config overrides, e.g.
+fused=model.fused_projections=true) at the preset's sequence length and the largest
+micro-batch that fits (doubling until out of memory, then one step between), timed as the
+trainer runs: `build_engine` (DeepSpeed, bf16, ZeRO-1, the project's AdamW) and the loop's
+own `train_step`, on synthetic tokens (no data loading: the loader's workers run ahead of
+the GPU). Warm-up steps excluded, median step time of the rest; TFLOP/s and MFU from
+belief_lm.train.flops. The JSON is rewritten after every run, so a run cut short still
+leaves its results; a run that fails is recorded with its error and the exit code is 1.
+
+--paper: 50 steps of each configs/paper/*.yaml at one GPU's share of its global batch
+(global / (nodes x GPUs), the same micro-batch and accumulation as one rank of the real
+run) on synthetic tokens; tokens/s and memory measured, the full run's time on its GPUs
+PROJECTED from that rate (perfect data-parallel scaling assumed; labelled as such).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import glob
+import itertools
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from launcher.env import detect
+
+from belief_lm import attention as family
+from belief_lm.config import Config, load_config
+from belief_lm.model.attention_layer import VARIANTS, FamilyCoreAttention
+from belief_lm.model.gpt import BeliefLM
+from belief_lm.parallel.setup import init_distributed, init_model_parallel
+from belief_lm.runtime import select_device
+from belief_lm.train.engine import build_engine
+from belief_lm.train.flops import flops_per_token, peak_tflops
+from belief_lm.train.loop import train_step
+from bench.common import write_result
+
+MODELS = {
+    "gpt2-124m": "configs/model/gpt2-124m.yaml",
+    "llama-188m": "configs/model/llama-188m.yaml",
+}
+ATTENTIONS = ["softmax", "belief", "belief_star"]
+OPTIONS = ["plain=", "fused=model.fused_projections=true"]
+SMOKE_OPTIONS = ["plain=", "foreach_adamw=train.adamw_kernel=foreach"]  # no compile on CPU
+SMOKE_SHAPE = [
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+    "model.ffn_hidden_size=128", "model.seq_length=32", "model.vocab_size=512",
+]  # fmt: skip
+SDPA_KERNELS = {
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+OOM = torch.cuda.OutOfMemoryError
+
+
+class Bench:
+    """Arguments, device and the result being built (written out after every phase)."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device):
+        self.args, self.device = args, device
+        self.started = time.perf_counter()
+        self.result: dict = {"benchmark": "bench/gpu.py", "smoke": args.smoke, "runs": []}
+        self.errors = 0
+
+    def config(self, path: str, *overrides: str) -> Config:
+        return load_config(path, [*(SMOKE_SHAPE if self.args.smoke else []), *overrides])
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def out_of_time(self) -> bool:
+        return self.elapsed() > self.args.time_limit
+
+    def save(self) -> None:
+        self.result["elapsed_s"] = round(self.elapsed(), 1)
+        write_result(self.args.out, self.result, self.device)
+
+    def record_error(self, entry: dict, err: Exception) -> None:
+        entry["error"] = f"{type(err).__name__}: {err}"
+        self.errors += 1
+        print(f"  FAILED: {entry['error']}", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    device = select_device("cpu" if args.smoke else "cuda")
+    init_distributed(detect(), device)
+    layout = init_model_parallel(1, 1)
+    if args.out is None:
+        name = "cpu_smoke" if args.smoke else slug(torch.cuda.get_device_name(device))
+        args.out = f"bench/results/gpu_{'paper_' if args.paper else ''}{name}.json"
+    bench = Bench(args, device)
+    bench.result |= libraries(device)
+    if args.paper:
+        paper_runs(bench, layout)
+    else:
+        bench.result["correctness"] = correctness(bench, layout)
+        bench.save()
+        throughput(bench, layout)
+    bench.save()
+    print(markdown_table(bench.result), flush=True)
+    print("wrote", args.out, f"({bench.elapsed():.0f} s)")
+    sys.exit(1 if bench.errors else 0)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="result JSON (default bench/results/gpu_<device>.json)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, few steps")
+    parser.add_argument("--paper", action="store_true", help="the configs/paper runs instead")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--attentions", nargs="+", default=ATTENTIONS, choices=list(VARIANTS))
+    parser.add_argument(
+        "--option",
+        action="append",
+        metavar="NAME=KEY=VALUE[,KEY=VALUE...]",
+        help="an option set: a name and the config overrides it applies, comma-separated "
+        f"(repeat for several; default: {' '.join(OPTIONS)})",
+    )
+    parser.add_argument("--steps", type=int, help="timed steps per run (default 10; smoke 2)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (default 3; smoke 1)")
+    parser.add_argument("--max-micro-batch", type=int, help="probe cap (default 128; smoke 4)")
+    parser.add_argument("--check-steps", type=int, help="bf16 vs fp32 steps (default 50)")
+    parser.add_argument(
+        "--loss-tolerance",
+        type=float,
+        default=0.02,
+        help="bf16 vs fp32: largest allowed |loss difference| / fp32 loss at any step",
+    )
+    parser.add_argument("--paper-steps", type=int, help="steps per paper config (default 50)")
+    parser.add_argument(
+        "--time-limit", type=float, default=450, help="seconds; later runs are skipped"
+    )
+    args = parser.parse_args()
+    small = args.smoke
+    defaults = {"steps": (10, 2), "warmup": (3, 1), "max_micro_batch": (128, 4)}
+    defaults |= {"check_steps": (50, 5), "paper_steps": (50, 4)}
+    for key, (full, smoke) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, smoke if small else full)
+    args.options = dict(
+        parse_option(o) for o in args.option or (SMOKE_OPTIONS if small else OPTIONS)
+    )
+    return args
+
+
+def parse_option(text: str) -> tuple[str, list[str]]:
+    name, _, overrides = text.partition("=")
+    if not name:
+        raise SystemExit(f"--option {text!r}: expected NAME=KEY=VALUE[,KEY=VALUE...] or NAME=")
+    return name, [o for o in overrides.split(",") if o]
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def libraries(device: torch.device) -> dict:
+    """What the numbers depend on beyond bench/common's package versions."""
+    cuda = device.type == "cuda"
+    return {
+        "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,  # a tuple
+        "peak_tflops": peak_tflops(device, None),
+        "gpu_memory_gb": torch.cuda.get_device_properties(device).total_memory / 1e9
+        if cuda
+        else None,
+    }
+
+
+# ---- synthetic data and timed steps -----------------------------------------------------
+
+
+def token_batches(
+    vocab: int, batch: int, seq: int, seed: int, device, count: int = 1
+) -> list[tuple]:
+    """`count` micro-batches (tokens, labels) [batch, seq] of a seeded bigram chain: each
+    token is followed by a fixed successor 3 times in 4, else by a random token, so a model
+    can learn it (the loss falls) and two runs see the same data."""
+    gen = torch.Generator().manual_seed(seed)
+    successor = torch.randperm(vocab, generator=gen)
+    out = []
+    for _ in range(count):
+        chain = torch.empty(batch, seq + 1, dtype=torch.long)
+        chain[:, 0] = torch.randint(vocab, (batch,), generator=gen)
+        noise = torch.randint(vocab, (batch, seq), generator=gen)
+        keep = torch.rand(batch, seq, generator=gen) < 0.75
+        for i in range(seq):
+            chain[:, i + 1] = torch.where(keep[:, i], successor[chain[:, i]], noise[:, i])
+        out.append((chain[:, :-1].to(device), chain[:, 1:].to(device)))
+    return out
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(trainee, batches, steps: int, device) -> tuple[list[float], list[float]]:
+    """Seconds and loss of each of `steps` training steps (optimizer step included)."""
+    times, losses = [], []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        loss = train_step(trainee, batches)
+        losses.append(loss.item())  # host-device sync: waits for the whole step
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times, losses
+
+
+def engine(cfg: Config, layout, device):
+    return build_engine(cfg, layout, cfg.model.vocab_size, device)
+
+
+def release(trainee) -> None:
+    """Drop an engine's hooks and return freed memory (callers drop their references)."""
+    if trainee is not None and hasattr(trainee.engine, "destroy"):
+        trainee.engine.destroy()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return None  # for `trainee = release(trainee)`
+
+
+# ---- correctness ------------------------------------------------------------------------
+
+
+def correctness(bench: Bench, layout) -> dict:
+    checks = {"process_group": process_group(bench.device)}
+    print("process group:", checks["process_group"], flush=True)
+    checks["bf16_vs_fp32"] = bf16_against_fp32(bench, layout)
+    fused = any("model.fused_projections=true" in o for o in bench.args.options.values())
+    checks["sdpa_kernels"], checks["belief_inner_products"] = {}, {}
+    for preset in bench.args.models:
+        kernels, products = attention_checks(bench, preset, fused)
+        checks["sdpa_kernels"][preset], checks["belief_inner_products"][preset] = kernels, products
+    return checks
+
+
+def process_group(device: torch.device) -> dict:
+    """The world this process joined (nccl on GPU) and one all-reduce through it."""
+    from megatron.core import parallel_state
+
+    ones = torch.ones(4, device=device)
+    dist.all_reduce(ones)
+    return {
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+        "all_reduce_ok": bool((ones == dist.get_world_size()).all()),
+    }
+
+
+def bf16_against_fp32(bench: Bench, layout) -> dict:
+    """`tiny` trained in bf16 and in fp32 from the same seed (same initial weights) on the
+    same batches. On CPU (smoke) both runs are fp32: DeepSpeed's bf16 needs a GPU here."""
+    low = "bf16" if bench.device.type == "cuda" else "fp32"
+    steps = bench.args.check_steps
+    vocab = [] if bench.args.smoke else ["model.vocab_size=4096"]
+    curves = []
+    for precision in ("fp32", low):
+        cfg = bench.config(
+            "configs/tiny.yaml", *vocab, f"train.precision={precision}",
+            f"train.max_steps={steps}", "train.warmup_steps=5", *batch_overrides(16),
+        )  # fmt: skip
+        shape = (cfg.model.vocab_size, 16, cfg.model.seq_length)
+        batches = token_batches(*shape, seed=0, device=bench.device, count=16)
+        trainee = engine(cfg, layout, bench.device)
+        curves.append(timed_steps(trainee, itertools.cycle(batches), steps, bench.device)[1])
+        release(trainee)
+        del trainee
+    reference, other = curves
+    relative = [abs(a - b) / abs(a) for a, b in zip(reference, other, strict=True)]
+    result = {
+        "model": "tiny",
+        "steps": steps,
+        "precision": low,
+        "tolerance_relative": bench.args.loss_tolerance,
+        "max_relative_difference": max(relative),
+        "max_abs_difference": max(abs(a - b) for a, b in zip(reference, other, strict=True)),
+        "loss_fp32": reference,
+        f"loss_{low}": other,
+        "pass": max(relative) <= bench.args.loss_tolerance and reference[-1] < reference[0],
+    }
+    print(f"bf16 vs fp32: max relative loss difference {max(relative):.4f}", flush=True)
+    if not result["pass"]:
+        bench.errors += 1
+    return result
+
+
+def attention_checks(bench: Bench, preset: str, fused: bool) -> tuple[dict, dict]:
+    """At the preset's width, heads and sequence (one layer, micro-batch 1, bf16 on GPU):
+    the SDPA kernels each variant runs in forward and backward, and belief's inner
+    products from the model's own activations."""
+    dtype = torch.bfloat16 if bench.device.type == "cuda" else torch.float32
+    kernels, products = {}, {}
+    for variant in VARIANTS:
+        cfg = bench.config(MODELS[preset], f"model.attention={variant}", "model.num_layers=1")
+        model = BeliefLM(cfg.model, cfg.model.vocab_size).to(bench.device, dtype)
+        shape = (cfg.model.vocab_size, 1, cfg.model.seq_length)
+        tokens, labels = token_batches(*shape, seed=0, device=bench.device)[0]
+        core = next(m for m in model.modules() if isinstance(m, FamilyCoreAttention))
+        core.capture = {}
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities) as profile:
+            model(tokens, labels).backward()
+        names = {event.name for event in profile.events()}
+        kernels[variant] = sorted({SDPA_KERNELS[n] for n in names if n in SDPA_KERNELS})
+        if variant == "belief":
+            products = inner_product_check(core.capture["mh"], core.capture["v"], fused)
+        del model, core
+    print(f"{preset} SDPA kernels:", kernels, flush=True)
+    print(f"{preset} belief inner products:", products, flush=True)
+    return kernels, products
+
+
+def inner_product_check(mh: torch.Tensor, v: torch.Tensor, fused: bool) -> dict:
+    """<MH, V> and <V, V> as the model computes them (the plain and, if in use, the
+    compiled step) against fp64, the error scaled by |MH||V| (Cauchy-Schwarz), beside the
+    error that accumulating in the activations' own dtype would make."""
+    mh64, v64 = mh.double(), v.double()
+    exact = torch.stack(((mh64 * v64).sum(-1), (v64 * v64).sum(-1)), -1)
+    scale = torch.stack((mh64.norm(dim=-1) * v64.norm(dim=-1), (v64 * v64).sum(-1)), -1)
+
+    def error(dots: torch.Tensor) -> float:
+        return ((dots.double() - exact).abs() / scale.clamp_min(1e-30)).max().item()
+
+    native = torch.stack(((mh * v).sum(-1), (v * v).sum(-1)), -1)  # in mh.dtype
+    out = {"activations": str(mh.dtype).removeprefix("torch."), "native_dtype_error": error(native)}
+    for name, compiled in [("plain", False), ("fused", True)][: 1 + fused]:
+        dots = family._steps(compiled)[0](mh, v)  # the function the layer calls
+        out[name] = {"dtype": str(dots.dtype).removeprefix("torch."), "error": error(dots)}
+    # fp32 accumulation of bf16 products: ~1e-7 here; accumulating in bf16: ~1e-3
+    checked = [out[k] for k in ("plain", "fused") if k in out]
+    out["pass"] = all(c["dtype"] == "float32" and c["error"] < 1e-4 for c in checked)
+    return out
+
+
+# ---- throughput -------------------------------------------------------------------------
+
+
+def throughput(bench: Bench, layout) -> None:
+    known: dict[tuple, int] = {}  # (model, attention) -> micro-batch found by an earlier run
+    for preset, (option, overrides), attention in itertools.product(
+        bench.args.models, bench.args.options.items(), bench.args.attentions
+    ):
+        entry = {"model": preset, "attention": attention, "option": option, "overrides": overrides}
+        bench.result["runs"].append(entry)
+        if bench.out_of_time():
+            entry["skipped"] = f"time limit ({bench.args.time_limit:.0f} s) reached"
+            continue
+        print(f"{preset} {attention} {option}:", flush=True)
+        try:
+            cfg_for = functools.partial(run_config, bench, preset, attention, overrides)
+            entry |= measure_largest(bench, layout, cfg_for, known.get((preset, attention), 1))
+            known[(preset, attention)] = entry["micro_batch"]
+            print(f"  micro-batch {entry['micro_batch']}: {entry['tokens_per_s']:,.0f} tokens/s, "
+                  f"{entry['peak_memory_gb']} GB", flush=True)  # fmt: skip
+        except Exception as err:  # recorded; the other runs go on
+            bench.record_error(entry, err)
+            release(None)
+        add_ratios(bench.result["runs"])
+        bench.save()
+
+
+def batch_overrides(micro_batch: int, accumulation: int = 1) -> list[str]:
+    return [
+        f"train.micro_batch_size={micro_batch}",
+        f"train.global_batch_size={micro_batch * accumulation}",
+        "train.global_batch_tokens=null",
+    ]
+
+
+def run_config(bench: Bench, preset: str, attention: str, overrides, micro_batch: int) -> Config:
+    return bench.config(
+        MODELS[preset], f"model.attention={attention}", *batch_overrides(micro_batch), *overrides
+    )
+
+
+def measure_largest(bench: Bench, layout, cfg_for, start: int) -> dict:
+    """Find the largest micro-batch that fits, from `start`: double while steps fit (one
+    engine), halve while they do not, then bisect between the last fit and the first miss
+    to within a quarter; measure there. An engine that ran out of memory is not reused."""
+    cap, device = bench.args.max_micro_batch, bench.device
+    fits = misses = trainee = None
+    candidate = start
+    while candidate is not None:
+        try:
+            if trainee is None:
+                trainee = engine(cfg_for(candidate), layout, device)
+            step_at(trainee, cfg_for(candidate), candidate, device)
+            fits = candidate
+        except OOM:
+            misses, trainee = candidate, release(trainee)
+        candidate = next_candidate(fits, misses, cap)
+    if fits is None:
+        raise RuntimeError(f"micro-batch 1 does not fit in memory (searched from {start})")
+    while True:  # a fragmented allocator can miss a size that fitted: step down
+        try:
+            trainee = trainee or engine(cfg_for(fits), layout, device)
+            result = measure(bench, trainee, cfg_for(fits), fits)
+            release(trainee)
+            return result
+        except OOM:
+            trainee = release(trainee)
+            if fits == 1:
+                raise
+            fits = fits * 3 // 4
+
+
+def next_candidate(fits: int | None, misses: int | None, cap: int) -> int | None:
+    """The next micro-batch to try, or None when the search is done."""
+    if misses is None:
+        return fits * 2 if fits * 2 <= cap else None
+    if fits is None:
+        return misses // 2 or None
+    middle = (fits + misses) // 2
+    return middle if misses - fits > max(1, fits // 4) else None
+
+
+def step_at(trainee, cfg: Config, micro_batch: int, device) -> None:
+    """One training step at this micro-batch (the plain engine takes any batch size)."""
+    shape = (cfg.model.vocab_size, micro_batch, cfg.model.seq_length)
+    timed_steps(trainee, iter(token_batches(*shape, seed=1, device=device)), 1, device)
+
+
+def measure(bench: Bench, trainee, cfg: Config, micro_batch: int) -> dict:
+    """--warmup untimed steps, then --steps timed ones; the median and the peak memory."""
+    device, seq = bench.device, cfg.model.seq_length
+    shape = (cfg.model.vocab_size, micro_batch, seq)
+    batches = itertools.cycle(token_batches(*shape, seed=2, device=device, count=2))
+    accumulation = cfg.train.global_batch_size // micro_batch
+    timed_steps(trainee, batches, bench.args.warmup, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, _ = timed_steps(trainee, batches, bench.args.steps, device)
+    step = statistics.median(times)
+    tokens_per_s = micro_batch * accumulation * seq / step
+    tflops = flops_per_token(cfg.model, cfg.model.vocab_size) * tokens_per_s / 1e12
+    peak = peak_tflops(device, None)
+    return {
+        "fused": cfg.model.fused_projections,
+        "micro_batch": micro_batch,
+        "seq_length": seq,
+        "step_time_s": step,
+        "step_times_s": times,
+        "tokens_per_s": tokens_per_s,
+        "tflops": tflops,
+        "mfu": tflops / peak if peak else None,
+        "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+        if device.type == "cuda"
+        else None,
+    }
+
+
+def add_ratios(runs: list[dict]) -> None:
+    """Time per token relative to softmax's, same model and option set (= the step-time
+    ratio when both ran the same micro-batch)."""
+    base = {
+        (r["model"], r["option"]): r["tokens_per_s"]
+        for r in runs
+        if r["attention"] == "softmax" and "tokens_per_s" in r
+    }
+    for r in runs:
+        if "tokens_per_s" in r and (r["model"], r["option"]) in base:
+            r["ratio_to_softmax"] = base[(r["model"], r["option"])] / r["tokens_per_s"]
+
+
+# ---- the paper's configs ------------------------------------------------------------------
+
+
+def paper_runs(bench: Bench, layout) -> None:
+    args = bench.args
+    for path in sorted(glob.glob("configs/paper/*.yaml")):
+        entry: dict = {"config": path}
+        bench.result["runs"].append(entry)
+        if bench.out_of_time():
+            entry["skipped"] = f"time limit ({args.time_limit:.0f} s) reached"
+            continue
+        print(path, flush=True)
+        try:
+            entry |= paper_run(bench, layout, path)
+            print(f"  {entry['tokens_per_s']:,.0f} tokens/s; projected "
+                  f"{entry['projection']['hours']:.1f} h on {entry['projection']['gpus']} GPUs",
+                  flush=True)  # fmt: skip
+        except Exception as err:
+            bench.record_error(entry, err)
+        bench.save()
+
+
+def paper_run(bench: Bench, layout, path: str) -> dict:
+    """--paper-steps of one rank's share of the config's global batch on one GPU."""
+    full = load_config(path)
+    gpus = full.launch.nodes * full.launch.gpus_per_node
+    overrides = []
+    if bench.args.smoke:  # the tiny shape, one rank's share: 2 micro-batches of 2
+        overrides = [*SMOKE_SHAPE, *batch_overrides(2, 2), "train.precision=auto"]
+    else:
+        share = full.train.global_batch_size // gpus
+        overrides = batch_overrides(
+            full.train.micro_batch_size, share // full.train.micro_batch_size
+        )
+    cfg = load_config(path, overrides)
+    micro = cfg.train.micro_batch_size
+    trainee = engine(cfg, layout, bench.device)
+    shape = (cfg.model.vocab_size, micro, cfg.model.seq_length)
+    batches = itertools.cycle(token_batches(*shape, seed=3, device=bench.device, count=2))
+    if bench.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(bench.device)
+    times, losses = timed_steps(trainee, batches, bench.args.paper_steps, bench.device)
+    release(trainee)
+    timed = times[bench.args.warmup :] or times
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+    tokens_per_s = tokens_per_step / statistics.median(timed)
+    total = full.train.max_steps * full.train.global_batch_size * full.model.seq_length
+    tflops = flops_per_token(cfg.model, cfg.model.vocab_size) * tokens_per_s / 1e12
+    peak = peak_tflops(bench.device, None)
+    return {
+        "model": cfg.model.name,
+        "attention": cfg.model.attention,
+        "micro_batch": micro,
+        "accumulation": cfg.train.global_batch_size // micro,
+        "tokens_per_step": tokens_per_step,
+        "steps": len(times),
+        "median_over_steps": f"{bench.args.warmup + 1}-{len(times)}",
+        "step_times_s": times,
+        "losses": losses,
+        "tokens_per_s": tokens_per_s,
+        "tflops": tflops,
+        "mfu": tflops / peak if peak else None,
+        "peak_memory_gb": round(torch.cuda.max_memory_allocated(bench.device) / 1e9, 2)
+        if bench.device.type == "cuda"
+        else None,
+        "projection": {
+            "what": "PROJECTED, not measured: the full run's tokens over this measured rate "
+            "times the run's GPUs (perfect data-parallel scaling; no communication, data "
+            "loading, evaluation or checkpoint time)"
+            + (" -- smoke: a tiny model's rate, meaningless" if bench.args.smoke else ""),
+            "gpus": gpus,
+            "full_run_tokens": total,
+            "hours": total / (tokens_per_s * gpus) / 3600,
+        },
+    }
+
+
+# ---- report -----------------------------------------------------------------------------
+
+
+def markdown_table(result: dict) -> str:
+    """The README's table: one row per run."""
+    if any("config" in r for r in result["runs"]):
+        head = "| config | tokens/s (1 GPU) | TFLOP/s | MFU | peak memory GB | projected hours |"
+        rows = [
+            f"| {r['config']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
+            f"{fmt(r['mfu'])} | {r['peak_memory_gb']} | {r['projection']['hours']:.1f} "
+            f"on {r['projection']['gpus']} |"
+            for r in result["runs"]
+            if "tokens_per_s" in r
+        ]
+    else:
+        head = (
+            "| model | attention | option | micro-batch | tokens/s | TFLOP/s | MFU | "
+            "peak memory GB | x softmax |"
+        )
+        rows = [
+            f"| {r['model']} | {r['attention']} | {r['option']} | {r['micro_batch']} | "
+            f"{r['tokens_per_s']:,.0f} | {r['tflops']:.2f} | {fmt(r['mfu'])} | "
+            f"{r['peak_memory_gb']} | {fmt(r.get('ratio_to_softmax'), '.3f')} |"
+            for r in result["runs"]
+            if "tokens_per_s" in r
+        ]
+    separator = "|" + "---|" * head.count(" | ") + "---|"
+    return "\n".join([head, separator, *rows])
+
+
+def fmt(value, spec: str = ".1%") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()

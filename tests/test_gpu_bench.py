@@ -1,0 +1,118 @@
+"""bench/gpu.py runs end to end: --smoke on CPU at a tiny shape (so the GPU script cannot rot
+between GPU sessions), and the real thing, shortened, where there is a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_KEYS = {"model", "attention", "fused", "micro_batch", "tokens_per_s", "tflops", "mfu"}
+RUN_KEYS |= {"peak_memory_gb", "ratio_to_softmax"}
+
+
+def bench(tmp_path, *arguments: str, timeout: float = 600) -> dict:
+    out = tmp_path / "result.json"
+    command = [sys.executable, "bench/gpu.py", "--out", str(out), *arguments]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["command"].endswith(" ".join(command[1:]))
+    assert "| model |" in run.stdout or "| config |" in run.stdout  # the README's table
+    return result
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_check_and_run(tmp_path):
+    result = bench(tmp_path, "--smoke")
+    assert result["packages"]["torch"] and result["device"].endswith("threads")
+    checks = result["correctness"]
+    assert checks["process_group"] == {
+        "backend": "gloo", "world_size": 1, "tensor_parallel": 1, "all_reduce_ok": True
+    }  # fmt: skip
+    curve = checks["bf16_vs_fp32"]
+    assert curve["pass"] and len(curve["loss_fp32"]) == 5
+    assert curve["loss_fp32"][-1] < curve["loss_fp32"][0]  # the synthetic stream is learnable
+    for model in gpu.MODELS:
+        kernels = checks["sdpa_kernels"][model]
+        assert set(kernels) == set(gpu.VARIANTS) and all(kernels.values())
+        assert "math" in kernels["attention_sh"]  # its pooled keys need a mask
+        assert checks["belief_inner_products"][model]["plain"]["dtype"] == "float32"
+        assert checks["belief_inner_products"][model]["pass"]
+    runs = result["runs"]
+    assert [(r["model"], r["option"], r["attention"]) for r in runs] == [
+        (m, o, a) for m in gpu.MODELS for o in ("plain", "foreach_adamw") for a in gpu.ATTENTIONS
+    ]
+    for run in runs:
+        assert set(run) >= RUN_KEYS, run
+        assert run["micro_batch"] == 4 and run["tokens_per_s"] > 0 and run["tflops"] > 0
+        assert len(run["step_times_s"]) == 2 and run["mfu"] is None  # no known peak on CPU
+    assert [r["overrides"] for r in runs[3:6]] == [["train.adamw_kernel=foreach"]] * 3
+    assert all(r["ratio_to_softmax"] == 1 for r in runs if r["attention"] == "softmax")
+
+
+@pytest.mark.slow
+def test_smoke_fused_projections_slot_in_as_an_option(tmp_path):
+    result = bench(
+        tmp_path, "--smoke", "--models", "gpt2-124m", "--attentions", "softmax", "belief_star",
+        "--option", "fused=model.fused_projections=true", "--max-micro-batch", "2",
+    )  # fmt: skip
+    assert [(r["attention"], r["fused"], r["micro_batch"]) for r in result["runs"]] == [
+        ("softmax", True, 2), ("belief_star", True, 2)
+    ]  # fmt: skip
+    products = result["correctness"]["belief_inner_products"]["gpt2-124m"]
+    assert products["fused"]["dtype"] == "float32" and products["pass"]
+
+
+@pytest.mark.slow
+def test_smoke_paper_mode_projects_from_the_measured_rate(tmp_path):
+    result = bench(tmp_path, "--smoke", "--paper")
+    configs = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs/paper").glob("*.yaml"))
+    assert [r["config"] for r in result["runs"]] == configs
+    for run in result["runs"]:
+        assert run["steps"] == 4 and run["tokens_per_step"] == 2 * 2 * 32
+        projection = run["projection"]
+        assert projection["what"].startswith("PROJECTED") and projection["gpus"] == 8
+        hours = projection["full_run_tokens"] / (run["tokens_per_s"] * 8) / 3600
+        assert projection["hours"] == pytest.approx(hours)
+
+
+def test_micro_batch_search():
+    """Doubling while it fits, halving while not, then bisecting to within a quarter."""
+    assert gpu.next_candidate(1, None, 128) == 2
+    assert gpu.next_candidate(64, None, 100) is None  # the cap
+    assert gpu.next_candidate(None, 8, 128) == 4
+    assert gpu.next_candidate(None, 1, 128) is None
+    assert gpu.next_candidate(32, 64, 128) == 48
+    assert gpu.next_candidate(48, 64, 128) == 56
+    assert gpu.next_candidate(56, 64, 128) is None  # within a quarter of the fit
+
+
+def test_bad_option_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="expected NAME=KEY=VALUE"):
+        gpu.parse_option("=model.fused_projections=true")
+    assert gpu.parse_option("fused=model.fused_projections=true,train.adamw_kernel=fused") == (
+        "fused", ["model.fused_projections=true", "train.adamw_kernel=fused"]
+    )  # fmt: skip
+    assert gpu.parse_option("plain=") == ("plain", [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_shortened(tmp_path):
+    result = bench(
+        tmp_path, "--models", "gpt2-124m", "--attentions", "softmax", "belief",
+        "--option", "plain=", "--steps", "2", "--warmup", "1", "--max-micro-batch", "2",
+        "--check-steps", "10",
+    )  # fmt: skip
+    checks = result["correctness"]
+    assert checks["process_group"]["backend"] == "nccl"
+    assert checks["bf16_vs_fp32"]["pass"] and checks["belief_inner_products"]["gpt2-124m"]["pass"]
+    assert all(r["peak_memory_gb"] > 0 and r["micro_batch"] == 2 for r in result["runs"])
