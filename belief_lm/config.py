@@ -255,9 +255,11 @@ class LaunchConfig(Section):
     nodes: PositiveInt = 1
     """Nodes (SLURM); `launch local` runs on one."""
     min_nodes: PositiveInt | None = None
-    """Accept an allocation of as few as this many nodes (SLURM --nodes=MIN-MAX): a job
-    requeued while nodes are down runs on those it gets and continues the run at the
-    smaller data-parallel size; None: exactly `nodes`."""
+    """Accept an allocation of as few as this many nodes (SLURM --nodes=MIN-MAX; how many
+    of the range a job gets is the scheduler's choice, and select/cons_tres may start it
+    on MIN): a job requeued while nodes are down runs on those it gets and continues the
+    run at the smaller data-parallel size. None: exactly `nodes` (a requeued job still
+    continues on whatever allocation it is given, e.g. after `scontrol update NumNodes`)."""
     gpus_per_node: int = Field(0, ge=0)
     """GPUs per node, one task each; 0: CPU tasks (gloo)."""
     tasks_per_node: PositiveInt | None = None

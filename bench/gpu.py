@@ -43,17 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
-from launcher.env import detect
 
 from belief_lm import attention as family
 from belief_lm.config import Config, load_config
-from belief_lm.model.attention_layer import VARIANTS, FamilyCoreAttention
+from belief_lm.model.attention_layer import FamilyCoreAttention
 from belief_lm.model.gpt import BeliefLM
+from belief_lm.parallel.env import detect
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
 from belief_lm.runtime import select_device
 from belief_lm.train.engine import build_engine
 from belief_lm.train.flops import flops_per_token, peak_tflops
-from belief_lm.train.loop import train_step
+from belief_lm.variants import VARIANTS
 from bench.common import write_result
 
 MODELS = {
@@ -228,7 +228,7 @@ def timed_steps(trainee, batches, steps: int, device) -> tuple[list[float], list
     for _ in range(steps):
         synchronize(device)
         start = time.perf_counter()
-        loss = train_step(trainee, batches)
+        loss = trainee.train_step(batches)
         losses.append(loss.item())  # host-device sync: waits for the whole step
         synchronize(device)
         times.append(time.perf_counter() - start)

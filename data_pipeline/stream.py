@@ -49,9 +49,10 @@ READ_BATCH = 32
 """Documents tokenized at a time (one sentencepiece call)."""
 LOGGED_SKIPS = 10
 """Skipped rows logged one by one per stream; later ones every 1000th."""
-UNITS_PER_READER = 16
-"""Units are cut to at most 1/(readers x this) of a source, so shares balance within a few
-percent (pieces of one parquet row group re-decode the rows before them)."""
+UNITS_PER_READER = 4
+"""Units are cut to at most 1/(readers x this) of a source, so shares differ by at most a
+quarter of one (a source of many small units balances far better). Not finer: pieces of
+one parquet row group each decode the rows before them."""
 STUCK_ROWS = 10_000
 """A stream that read this many rows without one document stops the run (the fair,
 global skip check needs documents to flow)."""
@@ -136,15 +137,18 @@ def stream_for(source, tokenizer: Tokenizer | None, reader: int, settings, state
 
 
 def epoch_shares(units: Sequence[Unit], readers: int, seed: int, epoch: int) -> list[list[int]]:
-    """Unit indices of each reader in epoch `epoch`, in reading order: units in a seeded
-    order, each given to the reader with the least size so far (the lowest on ties)."""
-    order = np.random.default_rng([seed, epoch]).permutation(len(units))
+    """Unit indices of each reader in epoch `epoch`, in reading order. The units are dealt
+    largest first, each to the reader with the least size so far (LPT: shares end up
+    within a small unit of each other), and each reader reads its own in a seeded order
+    that changes every epoch."""
+    rank = np.empty(len(units), dtype=np.int64)
+    rank[np.random.default_rng([seed, epoch]).permutation(len(units))] = np.arange(len(units))
     loads, shares = [0] * readers, [[] for _ in range(readers)]
-    for index in order:
+    for index in sorted(range(len(units)), key=lambda i: (-units[i].size, rank[i])):
         reader = loads.index(min(loads))
-        shares[reader].append(int(index))
+        shares[reader].append(index)
         loads[reader] += units[index].size
-    return shares
+    return [sorted(share, key=lambda i: rank[i]) for share in shares]
 
 
 def slot_source(slot: int, weights: Sequence[float]) -> int:
