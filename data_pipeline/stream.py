@@ -49,9 +49,9 @@ READ_BATCH = 32
 """Documents tokenized at a time (one sentencepiece call)."""
 LOGGED_SKIPS = 10
 """Skipped rows logged one by one per stream; later ones every 1000th."""
-UNITS_PER_READER = 4
-"""Units are cut to at most 1/(readers x this) of a source, so shares differ by at most a
-quarter of one (a source of many small units balances far better). Not finer: pieces of
+UNITS_PER_READER = 8
+"""Units are cut to at most 1/(readers x this) of a source, so that dealt largest first
+(epoch_shares) the readers' shares differ by at most one such unit. Not finer: pieces of
 one parquet row group each decode the rows before them."""
 STUCK_ROWS = 10_000
 """A stream that read this many rows without one document stops the run (the fair,

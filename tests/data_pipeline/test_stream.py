@@ -250,7 +250,10 @@ def test_stats_count_rows_documents_skips_and_tokens(tmp_path, embedded_tokenize
     rows = [json.dumps(r).encode() for r in fineweb_rows(60, chars=300)]
     rows[5] = b"{broken"
     write_openwebtext_jsonl(tmp_path / "x.jsonl", rows)
-    data = DataConfig(sources=[str(tmp_path / "x.jsonl")], num_workers=2, validation_fraction=0)
+    data = DataConfig(
+        sources=[str(tmp_path / "x.jsonl")], num_workers=2, validation_fraction=0,
+        max_skipped_fraction=0.05,  # 1 bad row of 60, judged once the whole file is read
+    )  # fmt: skip
     batches = build_train_data(data, embedded_tokenizer, SEQ, 2, 2, 0, 1, CPU)
     take(batches, 3)
     stats = batches.stats()
