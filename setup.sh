@@ -257,15 +257,6 @@ extras=""
 [[ -n $WHEELHOUSE ]] && extras="[test]"
 pip_install --no-build-isolation -e ".$extras"
 
-# 4. On a CPU-only machine DeepSpeed JIT-compiles a small shared-memory comm op the first
-#    time a process group starts (~30 s); do it once here rather than inside a first run.
-if "$PY" -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then  # exit 0: no GPU
-  # (its build runs ninja, which DeepSpeed installed into the venv: put that on PATH)
-  PATH="$(realpath "$VENV/bin"):$PATH" DS_ACCELERATOR=cpu \
-    "$PY" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
-    >/dev/null 2>&1 || echo "setup.sh: note: DeepSpeed's CPU comm op did not build (runs retry; needs a C++ compiler)"
-fi
-
 "$PY" - <<PY
 import torch, megatron.core, deepspeed, sentencepiece
 assert "$TORCH_VERSION" in ("system", torch.__version__.split("+")[0]), torch.__version__

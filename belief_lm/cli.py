@@ -7,7 +7,8 @@
     belief-lm prepare --config CONFIG --output DIR [--workers N] [section.key=value ...]
     belief-lm evaluate --checkpoint DIR [--data SOURCE] [--tensor N] [--batches N] [--output F]
     belief-lm launch local|slurm [--dry-run] --config ... [section.key=value ...]
-        local: torchrun on this machine; slurm: render slurm/pretrain.sbatch and sbatch it
+        local: launch.tasks_per_node ranks on this machine (exits with their code: 75 passes
+        through); slurm: render slurm/pretrain.sbatch and sbatch it
     belief-lm generate --checkpoint STEP_DIR --prompt TEXT [--max-new-tokens N]
                        [--temperature T (0: greedy)] [--top-k K] [--top-p P] [--seed S]
     belief-lm export --checkpoint STEP_DIR --format hf|torch --output PATH
@@ -15,7 +16,8 @@
 Exit codes (belief_lm/exit_codes.py): 0 done; 1 failed while running; 2 bad command line,
 config, data or checkpoint (nothing was run); 65 a data source failed mid-run (the last
 completed step was saved; the message names the source, file and row); 75 stopped by
-SIGTERM/SIGUSR1 after saving a checkpoint (requeue the job: it resumes from there).
+SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint (requeue the job: it resumes from
+there).
 
 This module parses, calls a library function and prints; the work is elsewhere.
 """
@@ -33,7 +35,7 @@ import warnings
 from belief_lm import exit_codes
 from belief_lm.config import Config, ConfigError, load_config
 from belief_lm.export import FORMATS
-from belief_lm.parallel.env import LaunchEnvError, detect
+from belief_lm.parallel.env import LaunchEnvError, detect, free_port
 from belief_lm.preflight import preflight
 
 
@@ -74,10 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--batches", type=int, default=50, help="micro-batches per data-parallel rank")
     sub.add_argument("--micro-batch-size", type=int, help="default: the checkpoint's")
     sub.add_argument("--output", "-o", help="also write the JSON here")
-    launch = commands.add_parser("launch", help="start training: torchrun here, or a SLURM job")
+    launch = commands.add_parser("launch", help="start training: ranks here, or a SLURM job")
     targets = launch.add_subparsers(dest="target", required=True, metavar="TARGET")
     for name, help_text in (
-        ("local", "torchrun on this machine, launch.tasks_per_node processes"),
+        ("local", "launch.tasks_per_node ranks on this machine, watched by this process"),
         ("slurm", "render slurm/pretrain.sbatch from the launch section and sbatch it"),
     ):
         sub = targets.add_parser(name, help=help_text, description=help_text)
@@ -205,13 +207,17 @@ def _from_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _train(cfg: Config) -> int:
+    from belief_lm.train.signals import Preempted, StopRequests
+
+    # caught from the first moment (before the heavy imports) until the process ends, so a
+    # signal arriving during start-up or after the save cannot kill the rank
+    stop = StopRequests().catch()
     from belief_lm.train.loop import DataStop, NonFiniteLossError, train
-    from belief_lm.train.signals import Preempted
 
     try:
-        result = train(cfg)
-    except Preempted as stop:
-        logging.getLogger("belief_lm").warning("%s; exiting with %d", stop, exit_codes.PREEMPTED)
+        result = train(cfg, stop)
+    except Preempted as stopped:
+        logging.getLogger("belief_lm").warning("%s; exiting with %d", stopped, exit_codes.PREEMPTED)
         return exit_codes.PREEMPTED
     except NonFiniteLossError as err:
         print(f"belief-lm: {err}", file=sys.stderr)
@@ -250,9 +256,9 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace, cfg: Config) -> int:
-    """`launch local` execs torchrun; `launch slurm` renders the sbatch script and submits it.
-    Pre-flight runs here for the job's world size: a config `train` would refuse fails now,
-    not after the job waited in the queue."""
+    """`launch local` starts and watches the ranks; `launch slurm` renders the sbatch script
+    and submits it. Pre-flight runs here for the job's world size: a config `train` would
+    refuse fails now, not after the job waited in the queue."""
     from launcher import local, slurm
 
     device_type = "cuda" if cfg.launch.gpus_per_node else "cpu"
@@ -260,11 +266,12 @@ def _launch(args: argparse.Namespace, cfg: Config) -> int:
         preflight(cfg, world_size, device_type)  # ValueError: main() exits 2
     train_args = [*(["--config", args.config] if args.config else []), *args.overrides]
     if args.target == "local":
-        command = local.torchrun_command(cfg, train_args)
+        port = free_port()
         if args.dry_run:
-            print(shlex.join(command))
+            for env, command in local.rank_commands(cfg, train_args, port):
+                print(shlex.join([f"{k}={v}" for k, v in env.items()] + command))
             return exit_codes.DONE
-        os.execv(command[0], command)  # torchrun takes over this process (and its signals)
+        return local.run(cfg, train_args, port)  # the ranks' exit code (75 passes through)
     script = slurm.render(cfg, train_args)
     if args.dry_run:
         print(script, end="")

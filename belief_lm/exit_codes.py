@@ -16,5 +16,5 @@ DATA_FAULT = 65
 data.on_corrupt_row_group=stop, a vanished file, an unreachable hub): the last completed
 step was saved; the message names the source, file and row (EX_DATAERR)."""
 PREEMPTED = 75
-"""Stopped by SIGTERM or SIGUSR1 after saving a checkpoint (EX_TEMPFAIL, 'try again
+"""Stopped by SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint (EX_TEMPFAIL, 'try again
 later'): requeue the job and it resumes from there."""

@@ -3,9 +3,11 @@ environment, always under a timeout that also stops torchrun's ranks."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,3 +77,38 @@ def run_job(command: list[str], timeout: float, **options) -> subprocess.Complet
         stop_job(job)
         raise
     return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Training loss by step, from a run's metrics.jsonl."""
+    return {row["step"]: row["loss"] for row in metrics(run_dir) if "loss" in row}
+
+
+def wait_for_rows(run_dir: Path, rows: int, job: subprocess.Popen, timeout: float = 240) -> None:
+    """Wait until the running `job` has logged `rows` rows to metrics.jsonl."""
+    deadline = time.monotonic() + timeout
+    path = Path(run_dir) / "metrics.jsonl"
+    while not path.exists() or len(path.read_text().splitlines()) < rows:
+        assert job.poll() is None, f"the job ended with {job.returncode} before {rows} rows"
+        assert time.monotonic() < deadline, "training did not progress"
+        time.sleep(0.05)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of the live processes whose command line contains `text` (e.g. a run
+    directory: its ranks and their loader workers)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # it ended meanwhile
+            continue
+        if text in cmdline and state != "Z":  # a zombie has ended; its parent reaps it
+            found.append(int(proc.name))
+    return found

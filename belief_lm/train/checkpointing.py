@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -102,6 +103,8 @@ def save(cfg: Config, engine, state: dict, layout: Layout, step: int, consumed_t
         torch.save(data, buffer)
         extra[DATA_STATE] = buffer.getvalue()
     client = {"universal_checkpoint_info": universal_info(cfg.model), "step": step}
+    started = time.perf_counter()
     path = store.save(engine, checkpoint_root(cfg), info, state, extra, client, cfg.checkpoint.keep)
-    log.info("saved checkpoint %s", path)
+    # how long a stop signal's save takes: the grace period a cluster must give (README)
+    log.info("saved checkpoint %s in %.1f s", path, time.perf_counter() - started)
     return path

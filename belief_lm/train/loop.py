@@ -9,6 +9,7 @@ tokenizer, model in its DeepSpeed engine, data stream, resume); the loop then re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -66,11 +67,13 @@ class TrainResult:
     """train.eval_tasks scores at every step they ran (on rank 0; None elsewhere)."""
 
 
-def train(cfg: Config) -> TrainResult:
-    trainer = Trainer.build(cfg)
-    result = TrainResult(run_dir=trainer.run_dir, steps=cfg.train.max_steps)
-    try:
-        with StopRequests() as stop:
+def train(cfg: Config, stop: StopRequests | None = None) -> TrainResult:
+    """Run `cfg` to train.max_steps. Stop signals are caught from here on, or by `stop`, the
+    caller's active StopRequests (the CLI catches them from its first moment)."""
+    with StopRequests() if stop is None else contextlib.nullcontext(stop) as stop:
+        trainer = Trainer.build(cfg)
+        result = TrainResult(run_dir=trainer.run_dir, steps=cfg.train.max_steps)
+        try:
             while trainer.step < cfg.train.max_steps:
                 try:
                     loss = trainer.train_step()
@@ -94,8 +97,8 @@ def train(cfg: Config) -> TrainResult:
                         result.task_scores[step] = trainer.evaluate_tasks(checkpoint)
                 if stopping:
                     raise Preempted(step)
-    finally:
-        trainer.close()
+        finally:
+            trainer.close()  # loader workers stopped while stop signals are still caught
     return result
 
 

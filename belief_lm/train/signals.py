@@ -1,12 +1,21 @@
-"""Stop requests: SIGTERM / SIGUSR1 (SLURM's preemption warning, `scancel -s USR1`,
-torchrun forwarding SIGTERM) ask the run to finish its step, save and exit."""
+"""Stop requests: SIGTERM, SIGUSR1 and SIGINT ask the run to finish its step, save and exit
+with exit_codes.PREEMPTED, however they are delivered.
+
+Clusters deliver them in many ways: SLURM's time-limit warning (`--signal`), preemption and
+`scancel` signal the batch shell, srun or every process of the job; torchrun and `launch
+local` forward what they receive; a terminal's Ctrl-C signals the whole foreground process
+group. Any subset of the ranks may get one, several times. So a signal only sets a flag
+(a repeat while saving changes nothing), and after every step the ranks agree whether any
+of them got one. Loader workers ignore them (data_pipeline.loader.worker_init): the trainer
+stops them once it has saved.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 
-import torch
-import torch.distributed as dist
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preempted(Exception):  # a normal outcome (exit_codes.PREEMPTED), not an error
@@ -19,32 +28,43 @@ class Preempted(Exception):  # a normal outcome (exit_codes.PREEMPTED), not an e
 
 class StopRequests:
     """Catches the stop signals while active; `agreed()` tells every rank whether any rank
-    received one (a signal may reach only some ranks)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    received one. Torch-free until `agreed()` is first called, so the `train` command
+    catches signals from its first moment (a stop during start-up is honoured after the
+    first step)."""
 
     def __init__(self):
         self.received: int | None = None
-        self._previous = {}
+        self._previous: dict = {}
         self._group = None
 
-    def __enter__(self) -> StopRequests:
-        if dist.is_initialized():  # collective: every rank enters at the same point
-            self._group = dist.new_group(backend="gloo")  # host-side flag, any main backend
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+    def catch(self) -> StopRequests:
+        """Catch the stop signals from now on (until `__exit__`, if used as a context)."""
+        for sig in STOP_SIGNALS:
+            self._previous.setdefault(sig, signal.signal(sig, self._handle))
         return self
+
+    def __enter__(self) -> StopRequests:
+        return self.catch()
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
-        self.received = signum
+        if self.received is None:
+            self.received = signum
+            name = signal.Signals(signum).name
+            os.write(2, f"belief-lm: {name}: finishing the step, then saving\n".encode())
 
     def agreed(self) -> bool:
-        """True on every rank if any rank received a stop signal (one all-reduce)."""
+        """True on every rank if any rank received a stop signal (one all-reduce of a flag;
+        collective: every rank calls it at the same point of the loop)."""
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor(0 if self.received is None else 1, dtype=torch.int32)
-        if self._group is not None:
+        if dist.is_initialized():
+            if self._group is None:  # the first call, on every rank alike
+                self._group = dist.new_group(backend="gloo")  # host-side flag, any backend
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag)

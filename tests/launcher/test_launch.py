@@ -1,19 +1,30 @@
-"""`belief-lm launch slurm|local`: the rendered sbatch script (--dry-run), its errors, and a
-real 2-process torchrun."""
+"""`belief-lm launch slurm|local`: the rendered sbatch script (--dry-run), its errors, and
+2 real ranks started by `launch local`, stopped by signals as clusters deliver them."""
 
-import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from belief_lm.checkpoint.files import newest_checkpoint, read_info
 from belief_lm.cli import main
 from belief_lm.exit_codes import PREEMPTED
+from belief_lm.train.loop import train
 from launcher.slurm import TEMPLATE
-from tests.jobs import run_cli
+from tests.jobs import (
+    MICRO,
+    losses,
+    metrics,
+    processes_mentioning,
+    start_cli,
+    wait_for_rows,
+)
 
 GPU_RUN = [
     "launch.nodes=4",
@@ -143,20 +154,18 @@ def test_bad_launch_settings_exit_2(capsys, overrides, message):
 def test_local_command(capsys):
     code, out, _ = dry_run(capsys, "local", "launch.tasks_per_node=2", "train.micro_batch_size=8")
     assert code == 0
-    assert out.split() == [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "belief_lm.cli",
-        "train",
-        "--config",
-        "configs/tiny.yaml",
-        "launch.tasks_per_node=2",
-        "train.micro_batch_size=8",
-    ]
+    lines = [line.split() for line in out.splitlines()]
+    command = [
+        sys.executable, "-m", "belief_lm.cli", "train", "--config", "configs/tiny.yaml",
+        "launch.tasks_per_node=2", "train.micro_batch_size=8",
+    ]  # fmt: skip
+    port = lines[0][3].removeprefix("MASTER_PORT=")
+    for rank, line in enumerate(lines):
+        assert line == [
+            "WORLD_SIZE=2", "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}",
+            f"RANK={rank}", f"LOCAL_RANK={rank}", *command,
+        ]  # fmt: skip
+    assert len(lines) == 2 and port.isdigit()
 
 
 def test_local_refuses_several_nodes(capsys):
@@ -171,18 +180,77 @@ def test_submit_without_sbatch_says_so(tmp_path, capsys, monkeypatch):
     assert re.search(r"belief-lm: .*'sbatch'", capsys.readouterr().err)
 
 
+def children(pid: int) -> dict[int, int]:
+    """The processes `pid` started, by their RANK variable."""
+    ranks = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                environ = (proc / "environ").read_bytes().split(b"\0")
+                rank = next(v for v in environ if v.startswith(b"RANK="))
+                ranks[int(rank.removeprefix(b"RANK="))] = int(proc.name)
+        except (OSError, StopIteration):
+            continue
+    return ranks
+
+
 @pytest.mark.slow
-def test_launch_local_trains_with_two_processes(tmp_path, cache_dir):
-    """torchrun really starts 2 CPU ranks (gloo) that train together."""
-    out = run_cli(
-        "launch", "local", "--config", "configs/tiny.yaml", "launch.tasks_per_node=2",
-        "train.max_steps=3", "train.micro_batch_size=4", "train.global_batch_size=8",
-        "model.num_layers=1", "run.log_interval=1", "run.tensorboard=false",
-        f"run.output_dir={tmp_path}", f"run.cache_dir={cache_dir}", timeout=240,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    # torchrun started 2 processes, and exactly one of them logged each step: they formed
-    # one world of 2 (two single-process runs would both be rank 0 and both write rows)
-    assert "layout TP1 x PP1 x DP2" in out.stderr
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+def test_launch_local_stops_however_signalled_and_continues_like_one_process(tmp_path, tiny_config):
+    """2 ranks with 2 loader workers each, started by `launch local`, stopped mid-run:
+    1. SIGUSR1 to rank 1 alone: both ranks save the same step, the launcher exits 75;
+    2. SIGTERM to the whole process group (launcher, ranks, loader workers), as a terminal's
+       Ctrl-C or SLURM's scancel deliver it: 75 again;
+    3. the launcher SIGKILLed: its ranks still stop, save and end (no orphans).
+    Resumed each time, the steps trained are those of one uninterrupted process (the same
+    global batches at any data-parallel size)."""
+    run_dir, steps = tmp_path / "launched", 40
+    overrides = [
+        f"train.max_steps={steps}", f"train.decay_steps={steps}", "data.num_workers=2",
+        f"run.cache_dir={tiny_config().run.cache_dir}",
+    ]  # fmt: skip
+    log = (tmp_path / "log").open("w")
+
+    def launch():
+        args = ["launch", "local", "--config", MICRO, "launch.tasks_per_node=2"]
+        return start_cli(*args, f"run.output_dir={run_dir}", *overrides, stderr=log,
+                         start_new_session=True)  # fmt: skip
+
+    def stopped_by(signal_it, job) -> int:
+        """Two more steps, then `signal_it(job)`; once every process of the job has ended
+        (none may outlive the launcher), its exit code."""
+        logged = len(metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+        wait_for_rows(run_dir, logged + 2, job)
+        signal_it(job)
+        code = job.wait(timeout=120)
+        deadline = time.monotonic() + 60
+        while processes_mentioning(str(run_dir)):
+            assert time.monotonic() < deadline, "processes outlived the launcher"
+            time.sleep(0.2)
+        checkpoint = newest_checkpoint(run_dir / "checkpoints")
+        assert len(list((checkpoint / "run_state").iterdir())) == 2  # both ranks saved it
+        assert max(losses(run_dir)) == read_info(checkpoint).step < steps
+        return code
+
+    def one_rank(job):
+        os.kill(children(job.pid)[1], signal.SIGUSR1)
+
+    def process_group(job):
+        os.killpg(job.pid, signal.SIGTERM)
+
+    def launcher_killed(job):
+        job.kill()
+
+    try:
+        assert stopped_by(one_rank, launch()) == PREEMPTED
+        assert stopped_by(process_group, launch()) == PREEMPTED
+        stopped_by(launcher_killed, launch())
+    finally:
+        for pid in processes_mentioning(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)
+    text = (tmp_path / "log").read_text()
+    assert "layout TP1 x PP1 x DP2" in text and text.count("exiting with 75") == 6
+    # one world of 2 each time: exactly one of the processes logged each step
+    trained = losses(run_dir)
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, max(trained) + 1))
+    alone = train(tiny_config(*overrides, f"run.output_dir={tmp_path / 'alone'}"))
+    assert trained == pytest.approx({s: alone.losses[s] for s in trained}, rel=1e-5)
