@@ -1,16 +1,15 @@
 """Resume through the real training loop, in this process and as a command."""
 
-import json
+import os
 import shutil
 import signal
-import time
 
 import pytest
 
 from belief_lm.checkpoint.files import CheckpointError, newest_checkpoint, read_info
 from belief_lm.config import load_config
 from belief_lm.train.loop import train
-from tests.jobs import MICRO, start_cli
+from tests.jobs import MICRO, losses, processes_mentioning, start_cli, wait_for_rows
 
 SMALL = [
     "model.seq_length=64", "train.micro_batch_size=4", "train.decay_steps=8",
@@ -58,54 +57,33 @@ def test_incompatible_config_is_refused(tmp_path, cache_dir):
         )
 
 
-def _command(run_dir, cache_dir, *overrides):
+def _command(run_dir, cache_dir, *overrides, **popen):
     args = [f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}", *SMALL, *overrides]
-    return start_cli("train", "--config", MICRO, *args)
+    return start_cli("train", "--config", MICRO, *args, **popen)
 
 
-def _wait_for_rows(run_dir, rows, job, timeout=240):
-    deadline = time.monotonic() + timeout
-    metrics = run_dir / "metrics.jsonl"
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < rows:
-        assert job.poll() is None, job.stderr.read()[-3000:]
-        assert time.monotonic() < deadline, "training did not progress"
-        time.sleep(0.05)
-
-
-def test_stop_signal_saves_and_exits_75(tmp_path, cache_dir):
-    job = _command(tmp_path, cache_dir, "train.max_steps=100000", "train.decay_steps=100000")
+def test_ctrl_c_to_the_process_group_saves_and_exits_75(tmp_path, cache_dir):
+    """SIGINT to the trainer and its 2 loader workers at once (a terminal's Ctrl-C), then
+    SIGTERM while it stops: the workers ignore both, the trainer finishes its step, saves
+    once, and exits 75; the requeued job resumes there."""
+    log = (tmp_path / "log").open("w")
+    job = _command(
+        tmp_path, cache_dir, "train.max_steps=100000", "train.decay_steps=100000",
+        "data.num_workers=2", stderr=log, start_new_session=True,
+    )  # fmt: skip
     try:
-        _wait_for_rows(tmp_path, 2, job)
-        job.send_signal(signal.SIGUSR1)
-        assert job.wait(timeout=120) == 75, job.stderr.read()[-3000:]
+        wait_for_rows(tmp_path, 2, job)
+        os.killpg(job.pid, signal.SIGINT)
+        os.killpg(job.pid, signal.SIGTERM)  # a second signal changes nothing
+        assert job.wait(timeout=120) == 75, (tmp_path / "log").read_text()[-3000:]
     finally:
         job.kill()
-    stopped = newest_checkpoint(tmp_path / "checkpoints")
-    step = read_info(stopped).step
-    logged = [json.loads(r)["step"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert step == logged[-1] >= 2
+    assert not processes_mentioning(str(tmp_path))  # the loader workers are gone too
+    text = (tmp_path / "log").read_text()
+    assert "SIGINT: finishing the step" in text and text.count("saved checkpoint") == 1
+    step = read_info(newest_checkpoint(tmp_path / "checkpoints")).step
+    assert step == max(losses(tmp_path)) >= 2
     # the requeued job resumes there and finishes
     job = _command(tmp_path, cache_dir, f"train.max_steps={step + 2}", "train.decay_steps=100000")
     assert job.wait(timeout=240) == 0, job.stderr.read()[-3000:]
     assert read_info(newest_checkpoint(tmp_path / "checkpoints")).step == step + 2
-
-
-def test_kill_9_during_a_save_leaves_a_loadable_checkpoint(tmp_path, cache_dir):
-    """Checkpoint every step; SIGKILL the moment a save is in progress (its temporary
-    directory exists). `latest` still names a complete checkpoint, and resume works."""
-    root = tmp_path / "checkpoints"
-    job = _command(tmp_path, cache_dir, "train.max_steps=100000", "checkpoint.interval=1")
-    try:
-        _wait_for_rows(tmp_path, 2, job)
-        deadline = time.monotonic() + 120
-        while not list(root.glob(".tmp-step_*")):
-            assert time.monotonic() < deadline and job.poll() is None
-        job.send_signal(signal.SIGKILL)
-        job.wait(timeout=60)
-    finally:
-        job.kill()
-    latest = root / (root / "latest").read_text().strip()
-    step = read_info(latest).step  # complete
-    assert newest_checkpoint(root) == latest
-    resumed = train(config(tmp_path, cache_dir, f"train.max_steps={step + 1}"))
-    assert list(resumed.losses) == [step + 1]

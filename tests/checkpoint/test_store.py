@@ -1,9 +1,12 @@
 """Finding the checkpoint to resume from: only complete ones, whatever a crash left."""
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from belief_lm.checkpoint.files import (
     CheckpointError,
@@ -66,21 +69,71 @@ def test_read_info_names_the_problem(tmp_path):
     assert read_info(make(tmp_path, 5)).step == 5
 
 
-class FakeEngine:
-    """What save() asks of DeepSpeed's engine: write its files under root/tag."""
+@pytest.fixture(scope="module")
+def engine(single_process_group):
+    """DeepSpeed's real single-process engine around a small model (ZeRO-1)."""
+    from belief_lm.config import load_config
+    from belief_lm.train.engine import build_engine
+    from tests.jobs import MICRO, ROOT
 
-    def save_checkpoint(self, root, tag, client_state, save_latest):
-        (Path(root) / tag).mkdir(parents=True, exist_ok=True)
-        (Path(root) / tag / "weights").write_text(str(client_state["weights"]))
+    cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=1"])
+    return build_engine(cfg, single_process_group, 256, torch.device("cpu")).engine
 
 
-def test_resaving_a_step_replaces_it_and_drops_its_universal_copy(tmp_path, single_process_group):
-    info = CheckpointInfo(step=4, **INFO)
-    save(FakeEngine(), tmp_path, info, {}, {}, {"weights": "old"}, keep=3)
+def saving(engine, root: Path, step: int) -> Path:
+    return save(engine, root, CheckpointInfo(step=step, **INFO), {}, {}, {}, keep=3)
+
+
+class Crash(Exception):
+    """The process dies here (a simulated kill -9 or power cut)."""
+
+
+def test_a_save_cut_short_anywhere_leaves_latest_on_a_complete_checkpoint(
+    engine, tmp_path, monkeypatch
+):
+    """Every rename and deletion a save makes, in turn, is where the process dies: `latest`
+    still names a complete checkpoint (the previous one until the new one is whole), and a
+    resume finds it."""
+    root = tmp_path / "checkpoints"
+    first = saving(engine, root, 1)
+    calls = []  # the save's renames and deletions under root, in order
+
+    def recorded(original, crash_at=None):
+        def call(*args, **kwargs):
+            if str(args[0]).startswith(str(root)):
+                calls.append((original.__name__, Path(args[-1]).name))
+                if len(calls) == crash_at:
+                    raise Crash(calls[-1])
+            return original(*args, **kwargs)
+
+        return call
+
+    replace, rmtree = os.replace, shutil.rmtree
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", recorded(replace))
+        patch.setattr(shutil, "rmtree", recorded(rmtree))
+        saving(engine, root, 2)
+    points = len(calls)
+    assert ("replace", "step_000002") in calls and ("replace", "latest") in calls
+    for crash_at in range(1, points + 1):
+        calls.clear()
+        with monkeypatch.context() as patch, pytest.raises(Crash):
+            patch.setattr(os, "replace", recorded(replace, crash_at))
+            patch.setattr(shutil, "rmtree", recorded(rmtree, crash_at))
+            saving(engine, root, 3)
+        latest = root / (root / "latest").read_text().strip()
+        read_info(latest)  # complete, or this raises
+        assert newest_checkpoint(root) == latest and latest.name in ("step_000002", "step_000003")
+    assert first.exists()
+
+
+def test_resaving_a_step_replaces_it_and_drops_its_universal_copy(engine, tmp_path):
+    path = saving(engine, tmp_path, 4)
     universal = tmp_path / "step_000004-universal"
     universal.mkdir()  # converted from the old weights
     (universal / "run.json").write_text("{}")
-    path = save(FakeEngine(), tmp_path, info, {}, {}, {"weights": "new"}, keep=3)
-    assert (path / "weights").read_text() == "new"
+    written = (path / "run.json").stat().st_mtime_ns
+    path = saving(engine, tmp_path, 4)
+    assert (path / "run.json").stat().st_mtime_ns > written
     assert not universal.exists()
     assert newest_checkpoint(tmp_path) == path

@@ -7,8 +7,9 @@ import pytest
 
 from belief_lm.checkpoint.files import newest_checkpoint, read_info
 from belief_lm.exit_codes import BAD_INPUT, DATA_FAULT
+from belief_lm.train.loop import train
 from tests.data_pipeline.corpora import write_openwebtext_jsonl
-from tests.jobs import MICRO, run_cli
+from tests.jobs import MICRO, metrics, run_cli
 
 
 @pytest.mark.parametrize(
@@ -31,26 +32,44 @@ def test_bad_sources_at_start_up_are_one_line_and_exit_2(tmp_path, name, content
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def one_row_in_ten_empty(path):
+    write_openwebtext_jsonl(path, [
+        b'{"text": ""}' if i % 10 == 0 else json.dumps({"text": f"row {i} " * 20}).encode()
+        for i in range(3000)
+    ])  # fmt: skip
+    return path
+
+
 def test_a_source_that_turns_bad_mid_run_saves_the_last_step_and_exits_65(
     tmp_path, small_tokenizer
 ):
     """One row in ten is empty: judged once 200 rows were read (over all readers), the run
     stops after some steps, with a checkpoint of the last completed step."""
-    lines = [
-        b'{"text": ""}' if i % 10 == 0 else json.dumps({"text": f"row {i} " * 20}).encode()
-        for i in range(3000)
-    ]
-    write_openwebtext_jsonl(tmp_path / "a.jsonl", lines)
+    source = one_row_in_ten_empty(tmp_path / "a.jsonl")
     run = tmp_path / "run"
     done = run_cli(
-        "train", "--config", MICRO, f"data.sources=[{tmp_path / 'a.jsonl'}]",
+        "train", "--config", MICRO, f"data.sources=[{source}]",
         f"data.tokenizer.path={small_tokenizer.path}", "data.skip_check_min_rows=200",
         "data.num_workers=1", "train.max_steps=1000", f"run.output_dir={run}",
     )  # fmt: skip
     assert done.returncode == DATA_FAULT, done.stderr[-3000:]
     line = next(x for x in done.stderr.splitlines() if x.startswith("belief-lm: data fault"))
     assert "a.jsonl: " in line and "rows unusable (empty " in line and "Traceback" not in line
-    logged = [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [row["step"] for row in metrics(run)]
     saved = read_info(newest_checkpoint(run / "checkpoints")).step
     assert saved == logged[-1] > 1 and f"stopped after step {saved}" in line
     assert (newest_checkpoint(run / "checkpoints") / "data_state.pt").is_file()
+
+
+def test_the_configured_skip_fraction_is_the_one_applied(tmp_path, small_tokenizer, tiny_config):
+    """The same source with data.max_skipped_fraction=0.2 trains through, its skips counted
+    in the metrics (a default of 1% would stop it, as above)."""
+    source = one_row_in_ten_empty(tmp_path / "a.jsonl")
+    result = train(tiny_config(
+        f"data.sources=[{source}]", f"data.tokenizer.path={small_tokenizer.path}",
+        "data.skip_check_min_rows=30", "data.max_skipped_fraction=0.2", "data.num_workers=0",
+        "train.max_steps=20", "run.log_interval=20",
+    ))  # fmt: skip
+    assert list(result.losses) == [20]
+    (row,) = metrics(result.run_dir)  # judged: past skip_check_min_rows, 10% empty
+    assert row["data/0/rows"] > 30 and row["data/0/empty"] > 0.05 * row["data/0/rows"]

@@ -37,9 +37,13 @@ def test_weight_decay_only_on_matrices():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert {p.ndim for p in decay["params"]} == {2} and len(decay["params"]) == 2
     assert {p.ndim for p in no_decay["params"]} == {1} and len(no_decay["params"]) == 3
-    optimizer, _ = build_optimizer(model, TrainConfig(lr=0.5, warmup_steps=5), torch.device("cpu"))
+    train = TrainConfig(lr=0.5, warmup_steps=5, weight_decay=0.1)
+    optimizer, _ = build_optimizer(model, train, torch.device("cpu"))
     assert isinstance(optimizer, torch.optim.AdamW)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # 0.5 x 1/5 at step 0
+    # the optimizer decays each parameter as its group says: matrices only
+    decayed = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    assert decayed == {id(p): 0.1 if p.ndim >= 2 else 0.0 for p in model.parameters()}
 
 
 @pytest.mark.parametrize(
