@@ -209,8 +209,8 @@ def _from_checkpoint(args: argparse.Namespace) -> int:
 def _train(cfg: Config) -> int:
     from belief_lm.train.signals import Preempted, StopRequests
 
-    # caught from the first moment (before the heavy imports) until the process ends, so a
-    # signal arriving during start-up or after the save cannot kill the rank
+    # caught from the first moment (before the heavy imports), then ignored until the process
+    # ends: no signal during start-up or after the save may kill the rank
     stop = StopRequests().catch()
     from belief_lm.train.loop import DataStop, NonFiniteLossError, train
 
@@ -225,6 +225,8 @@ def _train(cfg: Config) -> int:
     except DataStop as err:
         print(f"belief-lm: data fault: {err}", file=sys.stderr)
         return exit_codes.DATA_FAULT
+    finally:
+        stop.ignore_from_now()
     losses = list(result.losses.values())
     if losses:
         logging.getLogger("belief_lm").info(

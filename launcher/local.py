@@ -83,6 +83,8 @@ def run(cfg: Config, train_args: list[str], port: int) -> int:
         elif time.monotonic() - failed_at > STOP_GRACE_S:
             pass_on(signal.SIGKILL, None)
         time.sleep(0.1)
+    for sig in STOP_SIGNALS:  # the ranks have ended: a late repeat must not kill this one
+        signal.signal(sig, signal.SIG_IGN)
     if failed is None:
         failed = _first_failure(ranks)
     if failed is not None:

@@ -43,6 +43,14 @@ class StopRequests:
             self._previous.setdefault(sig, signal.signal(sig, self._handle))
         return self
 
+    def ignore_from_now(self) -> None:
+        """Ignore stop signals from here to the end of the process: the run is over (saved, if
+        it was asked to stop), and a late repeat of a signal must not turn the exit code into
+        a death by that signal (Python restores the default action, which for these is to
+        terminate, when the interpreter shuts down)."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
     def __enter__(self) -> StopRequests:
         return self.catch()
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -12,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.jobs import losses
 
 from .conftest import HERE, ROOT, TINY_RUN, job_env, logged_steps, run
 
@@ -24,9 +25,18 @@ def slurm(conf: Path, *command: str, timeout: float = 60) -> str:
 
 
 def job_state(conf: Path, job_id: int) -> dict[str, str]:
-    """`scontrol show job` as a dict (JobState, ExitCode, Restarts, Reason, ...)."""
-    line = slurm(conf, "scontrol", "show", "job", "--oneliner", str(job_id))
-    return dict(re.findall(r"(\w+)=(\S*)", line))
+    """`scontrol show job` as a dict (JobState, ExitCode, Restarts, Reason, ...). Asked
+    again after a failure: on a loaded machine scontrol's connection to slurmctld
+    sometimes breaks (SIGPIPE)."""
+    command = ["scontrol", "show", "job", "--oneliner", str(job_id)]
+    for attempt in range(3):
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                             env=job_env(SLURM_CONF=str(conf)))  # fmt: skip
+        if out.returncode == 0 or attempt == 2:
+            break
+        time.sleep(2)
+    assert out.returncode == 0, f"scontrol exited {out.returncode}: {out.stderr}"
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
 def wait_for_job(conf: Path, job_id: int, timeout: float = 240) -> dict[str, str]:
@@ -130,8 +140,9 @@ def test_sbatch_template_by_hand(slurm_cluster, tmp_path, cache_dir):
     assert logged_steps(tmp_path / "run") == [2, 4]
 
 
-def submit_stand_in(conf: Path, tmp_path: Path, **env: str) -> tuple[int, Path]:
-    """The template with the stand-in trainer on 2 nodes; waits until both tasks train."""
+def submit_stand_in(conf: Path, tmp_path: Path, *options: str, **env: str) -> tuple[int, Path]:
+    """The template with the stand-in trainer on 2 nodes (and sbatch `options`); waits
+    until both tasks train."""
     job_id = int(
         run(
             [
@@ -139,6 +150,7 @@ def submit_stand_in(conf: Path, tmp_path: Path, **env: str) -> tuple[int, Path]:
                 "--parsable",
                 "--nodes=2",
                 f"--output={tmp_path}/%j.out",
+                *options,
                 str(ROOT / "slurm/pretrain.sbatch"),
             ],
             timeout=60,
@@ -165,6 +177,17 @@ def test_usr1_checkpoint_requeue_and_resume(slurm_cluster, tmp_path):
     assert text.count("resumed at restart 1, finished") == 2
 
 
+def test_time_limit_warning_to_the_tasks_checkpoints_and_requeues(slurm_cluster, tmp_path):
+    """`--signal=USR1@N` without `B:`: SLURM itself signals the tasks (not the batch shell)
+    N seconds before the time limit; they exit 75 and the job requeues itself."""
+    job_id, log = submit_stand_in(slurm_cluster, tmp_path, "--time=1", "--signal=USR1@55")
+    state = wait_for_job(slurm_cluster, job_id)
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text
+    assert text.count("SIGUSR1, checkpointed") == 2
+    assert text.count("resumed at restart 1, finished") == 2
+
+
 def test_requeue_stops_after_max_restarts(slurm_cluster, tmp_path):
     job_id, log = submit_stand_in(slurm_cluster, tmp_path, MAX_RESTARTS="0")
     slurm(slurm_cluster, "scancel", "--batch", "--signal=USR1", str(job_id))
@@ -187,7 +210,7 @@ def submit_training(conf: Path, run_dir: Path, cache_dir: str, steps: int) -> tu
     return int(out.strip()), Path(f"{run_dir}.log")
 
 
-STEPS = 30
+STEPS = 50  # long enough that a stop sent after step 5 lands mid-run on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -199,43 +222,67 @@ def uninterrupted(slurm_cluster, tmp_path_factory, cache_dir) -> dict[int, float
     return losses(run_dir)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
-
-
-def stop_mid_run(conf: Path, job_id: int, run_dir: Path, log: Path, before=None) -> None:
-    """Once 5 steps are logged: `before()`, then SIGUSR1 to the batch shell (as
+def stop_mid_run(
+    conf: Path, job_id: int, run_dir: Path, log: Path, rows: int = 5, *scancel: str
+) -> None:
+    """Once `rows` steps are logged (a requeued job released from its hold meanwhile),
+    `scancel` with options `scancel` (default: SIGUSR1 to the batch shell, as
     --signal=B:USR1@N sends it before the time limit)."""
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < 5:
+    deadline, polls = time.monotonic() + 240, 0
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < rows:
         assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
+        polls += 1
+        if polls % 10 == 0:  # every 5 s
+            state = job_state(conf, job_id)
+            if state["JobState"] == "PENDING" and state.get("Reason") == "BeginTime":
+                slurm(conf, "scontrol", "update", f"JobId={job_id}", "StartTime=now")
         time.sleep(0.5)
-    if before is not None:
-        before()
-    slurm(conf, "scancel", "--batch", "--signal=USR1", str(job_id))
+    slurm(conf, "scancel", *(scancel or ("--batch", "--signal=USR1")), str(job_id))
+
+
+STOPPED = r"^0: .*stopped on request after step (\d+)"
+"""Rank 0's report of a stop (every rank logs one)."""
+
+
+def stopped_at(log: Path, count: int) -> int:
+    """The step of the job's `count`-th stop (as rank 0 reports it; waiting for it)."""
+    deadline = time.monotonic() + 120
+    while len(steps := re.findall(STOPPED, log.read_text(), re.M)) < count:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    return int(steps[count - 1])
 
 
 def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_one(
     slurm_cluster, tmp_path, cache_dir, uninterrupted
 ):
-    """The real trainer: SIGUSR1 mid-run -> every rank finishes its step, saves, exits 75
-    -> the job requeues itself -> the restarted job resumes from the checkpoint -> the
-    same losses, bit for bit."""
-    steps = STEPS
-    job_id, log = submit_training(slurm_cluster, tmp_path / "preempted", cache_dir, steps)
-    metrics = tmp_path / "preempted" / "metrics.jsonl"
-    stop_mid_run(slurm_cluster, job_id, tmp_path / "preempted", log)
+    """The real trainer, stopped twice mid-run: SIGUSR1 to every process of the job (batch
+    shell, srun, the ranks and their loader workers: `scancel --full`), then SIGTERM to the
+    ranks and their loader workers (`scancel --signal=TERM`, as a time limit or a preemption
+    signal the tasks). Each time every rank finishes its step, they save it and exit 75, and
+    the job requeues itself and resumes; its losses are the uninterrupted job's, bit for
+    bit. (SIGTERM to srun itself is not survivable: srun turns it into SIGKILL.)"""
+    run_dir = tmp_path / "preempted"
+    job_id, log = submit_training(slurm_cluster, run_dir, cache_dir, STEPS)
+    stop_mid_run(slurm_cluster, job_id, run_dir, log, 5, "--full", "--signal=USR1")
+    first = stopped_at(log, 1)
+    stop_mid_run(slurm_cluster, job_id, run_dir, log, first + 3, "--signal=TERM")
+    second = stopped_at(log, 2)
     state = wait_for_job(slurm_cluster, job_id, timeout=400)
     text = log.read_text()
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text[-4000:]
-    stopped_at = int(re.search(r"stopped on request after step (\d+)", text)[1])
-    assert 5 <= stopped_at < steps
-    assert f"resuming after step {stopped_at}" in text
-    assert f"requeueing job {job_id}" in text
-    resumed = losses(metrics.parent)
-    assert sorted(resumed) == list(range(1, steps + 1))  # no step lost or repeated
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "2", text[-4000:]
+    assert 5 <= first < second < STEPS
+    for step in (first, second):
+        assert f"resuming after step {step}" in text
+    assert text.count(f"requeueing job {job_id}") == 2
+    # the batch shell got the first signal only; each rank one of each
+    assert re.findall(r"^belief-lm: (SIG\w+): the tasks checkpoint", text, re.M) == ["SIGUSR1"]
+    assert sorted(re.findall(r"^\d: belief-lm: (SIG\w+): finishing the step", text, re.M)) == [
+        "SIGTERM", "SIGTERM", "SIGUSR1", "SIGUSR1"
+    ]  # fmt: skip
+    resumed = losses(run_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))  # no step lost or repeated
     assert resumed == uninterrupted
 
 
@@ -243,7 +290,7 @@ def test_a_job_requeued_onto_fewer_nodes_continues_the_run(
     slurm_cluster, tmp_path, cache_dir, uninterrupted
 ):
     """The job starts on both nodes; stopped mid-run, its requeue is given one node (as a
-    scheduler or a user does when nodes are down: `scontrol update NumNodes=1`). The
+    scheduler or a user does when nodes are down: `scontrol update NumNodes=1 NumTasks=1`). The
     template starts the trainer on what it got, which continues at data-parallel size 1
     (twice the gradient accumulation, the universal checkpoint) with the uninterrupted
     losses."""
@@ -254,15 +301,15 @@ def test_a_job_requeued_onto_fewer_nodes_continues_the_run(
     while job_state(slurm_cluster, job_id)["JobState"] != "PENDING":  # requeued
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
-    slurm(slurm_cluster, "scontrol", "update", f"JobId={job_id}", "NumNodes=1")
+    slurm(slurm_cluster, "scontrol", "update", f"JobId={job_id}", "NumNodes=1", "NumTasks=1")
     state = wait_for_job(slurm_cluster, job_id, timeout=400)
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text[-4000:]
     assert f"job {job_id} restart 0 on node[1-2]: 2 nodes, 2 tasks" in text
     assert re.search(rf"job {job_id} restart 1 on node\d: 1 nodes, 1 tasks", text), text[-6000:]
     assert "layout TP1 x PP1 x DP1" in text
-    stopped_at = int(re.search(r"stopped on request after step (\d+)", text)[1])
+    stopped = int(re.search(STOPPED, text, re.M)[1])
     resumed = losses(run_dir)
     assert sorted(resumed) == list(range(1, STEPS + 1))  # no step lost or repeated
-    for step in range(stopped_at + 1, STEPS + 1):
+    for step in range(stopped + 1, STEPS + 1):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
