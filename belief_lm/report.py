@@ -59,8 +59,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def load_run(path: str | Path) -> Run:
-    """Read a run directory; ValueError if it has no training metrics."""
+    """Read a run directory; ValueError if it is none or has no training metrics."""
     path = Path(path)
+    if not (path / "config.yaml").is_file():
+        raise ValueError(f"{path}: not a run directory (no config.yaml)")
     rows = read_jsonl(path / "metrics.jsonl")
     train = [r for r in rows if r.get("loss") is not None or "tokens_per_s" in r]
     if not train:
@@ -132,7 +134,7 @@ def format_summary(run: Run, numbers: dict) -> str:
     lines = [
         f"{run.path}",
         f"  steps {numbers['steps']:,}, tokens {numbers['tokens']:,}",
-        f"  loss {first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} (step {last[0]}); "
+        f"  loss {_number(first[1])} (step {first[0]}) -> {_number(last[1])} (step {last[0]}); "
         f"best validation loss {best_text}",
         "  throughput "
         + ("-" if throughput is None else f"{throughput:,.0f} tokens/s")
@@ -145,14 +147,15 @@ def format_summary(run: Run, numbers: dict) -> str:
     return "\n".join(lines)
 
 
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"  # null: a non-finite loss
+
+
 def report(run_dirs: list[str], out: str | None = None) -> str:
     """Plot `run_dirs` (one: RUN_DIR/report.png unless `out`; several: overlaid into
     `out`) and return the summary text. ValueError for what the user must fix."""
     if len(run_dirs) > 1 and out is None:
         raise ValueError("several run directories are overlaid into one figure: give --out FILE")
-    for path in run_dirs:
-        if not Path(path).is_dir():
-            raise ValueError(f"{path}: no such run directory")
     runs = [load_run(path) for path in run_dirs]
     target = Path(out) if out is not None else runs[0].path / REPORT
     plot(runs, target)
@@ -171,6 +174,9 @@ def plot(runs: list[Run], out: Path) -> None:
         ) from None
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 6, not 6 x 10^0
 
     figure, axes = plt.subplots(3, 3, figsize=(16, 12), squeeze=False)
     axes = axes.ravel()
@@ -188,30 +194,44 @@ def plot(runs: list[Run], out: Path) -> None:
         _diagnostics(axes[6], run, "delta_over_mh", color, label, overlay)
         _diagnostics(axes[7], run, "cos_delta_wo_x", color, label, overlay)
         _rank_spread(axes[8], run, color, label)
-        for ax in axes:
+    filled = [ax.has_data() for ax in axes]
+    for run, color in zip(runs, colors, strict=False):
+        for ax in (ax for ax, data in zip(axes, filled, strict=True) if data):
             for start in run.starts[1:]:  # resumes and starts over
                 ax.axvline(start["step"], color=color, linestyle=":", linewidth=1)
-    titles = [
-        "loss (train; validation: markers; spikes: x)", "learning rate", "gradient norm",
-        "tokens/s", "MFU (%)", "data: rows skipped (% of rows read), per source",
-        "‖Δ‖/‖MH‖ per layer", "cos∠(ΔW^o, X) per layer", "forward s/step over the ranks",
-    ]  # fmt: skip
-    for ax, title in zip(axes, titles, strict=True):
+    for ax, (title, missing) in zip(axes, PANELS, strict=True):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if not ax.has_data():
+            ax.text(0.5, 0.5, missing, ha="center", va="center", transform=ax.transAxes)
+        elif ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for ax in (axes[0], axes[2]):  # a spike or a bad step stays readable beside the rest
         if ax.has_data():
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
-    if any(ax.has_data() for ax in axes[2:3]):
-        axes[2].set_yscale("log")
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
     names = ", ".join(run.name for run in runs)
     figure.suptitle(f"belief-lm report: {names}")
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=90)
     plt.close(figure)
+
+
+PANELS = [
+    ("loss (train; validation: markers; spikes: x)", "no loss"),
+    ("learning rate", "no learning rate"),
+    ("gradient norm", "no gradient norm"),
+    ("tokens/s", "no throughput"),
+    ("MFU (%)", "not known: a known GPU or run.peak_tflops"),
+    ("data: rows skipped (% of rows read), per source", "no data health"),
+    ("‖Δ‖/‖MH‖ per layer", "not logged: run.diagnostics_interval"),
+    ("cos∠(ΔW^o, X) per layer", "not logged: run.diagnostics_interval"),
+    ("forward s/step over the ranks (min-max, median)", "one rank"),
+]
+"""The figure's panels, in order: title, and what an empty one says."""
 
 
 def _xy(rows: list[dict], key: str, scale: float = 1.0) -> tuple[list, list]:
@@ -268,5 +288,7 @@ def _rank_spread(ax, run: Run, color: str, label: str | None) -> None:
     if not steps:
         return
     _, highs = _xy(run.train, "ranks/forward_s_max")
+    _, slowest = _xy(run.train, "ranks/slowest")
     ax.fill_between(steps, lows, highs, color=color, alpha=0.25)
-    _curve(ax, run.train, "ranks/forward_s_median", color, f"{label or ''} median".strip())
+    named = f"median; slowest most often rank {statistics.mode(slowest):.0f}"
+    _curve(ax, run.train, "ranks/forward_s_median", color, f"{label or ''} {named}".strip())
