@@ -191,7 +191,7 @@ def test_profiled_steps_leave_a_trace_of_our_ops(observed):
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, cache_dir):
-    """Run 3: train.spike.action=stop, spikes at steps 5 and 6 (max_in_row 2), its
+    """Run 3: train.spike.action=stop, spikes at steps 4 and 5 (max_in_row 2), its
     progress written to a terminal (a pty)."""
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
     leader, follower = os.openpty()
@@ -201,7 +201,7 @@ def stopped(tmp_path_factory, cache_dir):
     reader.start()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "stderr", terminal)
-        SpikedSteps(patch, {5, 6})
+        SpikedSteps(patch, {4, 5})
         code = cli._train(
             config(run_dir, cache_dir, "train.max_steps=8", "train.spike.action=stop",
                    "train.spike.max_in_row=2", "train.spike.min_history=3")
@@ -227,10 +227,10 @@ def test_spikes_in_a_row_save_and_stop_with_their_exit_code(stopped):
     run_dir = stopped["dir"]
     assert stopped["code"] == LOSS_SPIKES
     spikes = [r for r in rows(run_dir) if "spike_loss" in r]
-    assert [(r["step"], r["spike_skipped"]) for r in spikes] == [(5, 0.0), (6, 0.0)]
+    assert [(r["step"], r["spike_skipped"]) for r in spikes] == [(4, 0.0), (5, 0.0)]
     saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
-    assert saved == ["step_000006"]
-    assert max(r["step"] for r in rows(run_dir)) == 6
+    assert saved == ["step_000005"]
+    assert max(r["step"] for r in rows(run_dir)) == 5
 
 
 def test_on_a_terminal_the_progress_is_a_bar(stopped):
@@ -238,9 +238,9 @@ def test_on_a_terminal_the_progress_is_a_bar(stopped):
     assert "\r" in shown  # redrawn in place
     bar = re.findall(r"(\d+)/8 \[[\d:]+<[\d:?]+, loss=([\d.]+), tokens/s=[\d,]+, MFU=-\]", shown)
     step, loss = bar[-1]
-    logged = next(r["loss"] for r in rows(stopped["dir"]) if r["step"] == 6 and "loss" in r)
-    assert (step, loss) == ("6", f"{logged:.4g}")
-    assert "step 6/8 | loss" not in shown  # not the plain lines
+    logged = next(r["loss"] for r in rows(stopped["dir"]) if r["step"] == 5 and "loss" in r)
+    assert (step, loss) == ("5", f"{logged:.4g}")
+    assert "step 5/8 | loss" not in shown  # not the plain lines
 
 
 def test_report_of_a_run_and_of_two_overlaid(observed, stopped, tmp_path, capsys):
@@ -263,8 +263,8 @@ def test_report_of_a_run_and_of_two_overlaid(observed, stopped, tmp_path, capsys
     assert cli.main(["report", str(run_dir), str(stopped["dir"]), "--out", str(out)]) == DONE
     text = capsys.readouterr().out
     assert image.imread(out).std() > 0.05
-    assert f"steps 6, tokens {6 * TOKENS_PER_STEP:,}" in text
-    assert "loss spikes 2 (steps 5, 6); 1 start(s)" in text
+    assert f"steps 5, tokens {5 * TOKENS_PER_STEP:,}" in text
+    assert "loss spikes 2 (steps 4, 5); 1 start(s)" in text
 
 
 def test_missing_extras_are_named_before_any_work(observed, monkeypatch, capsys):
@@ -290,13 +290,13 @@ def test_the_detector_flags_spikes_and_not_a_noisy_descent():
     assert restored.check(302, 50.0) and detector.check(302, 50.0)
 
 
-SLOW_S = 0.2
+SLOW_S = 0.15
 """Sleep in each of rank 1's forward passes (two per step: global batch 8 = 2 ranks x 2
 micro-batches of 2 x accumulation 2)."""
 
 
 def test_two_ranks_slow_one_named_spike_skipped_by_both_console_quiet(tmp_path, cache_dir):
-    """One 2-rank job (gloo, torchrun) of the real command: rank 1 is slow, step 5's loss
+    """One 2-rank job (gloo, torchrun) of the real command: rank 1 is slow, step 4's loss
     spikes on rank 0 only, and the console shows our lines (plain: not a terminal) and a
     real warning, but none of the libraries' known chatter."""
     from belief_lm.logs import NOISE, is_noise
@@ -305,8 +305,8 @@ def test_two_ranks_slow_one_named_spike_skipped_by_both_console_quiet(tmp_path, 
 
     run_dir = tmp_path / "run"
     command = torchrun_command(
-        2, "tests/train/observe_ranks.py", str(SLOW_S), "5", "train", "--config", MICRO,
-        f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}", "train.max_steps=6",
+        2, "tests/train/observe_ranks.py", str(SLOW_S), "4", "train", "--config", MICRO,
+        f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}", "train.max_steps=5",
         "train.spike.action=skip", "train.spike.min_history=3", "checkpoint.interval=1",
         "checkpoint.keep=10", "run.log_interval=2",
     )  # fmt: skip
@@ -318,19 +318,19 @@ def test_two_ranks_slow_one_named_spike_skipped_by_both_console_quiet(tmp_path, 
     for words in ("Apex", "untested optimizer", "Setting accelerator", "built successfully"):
         assert words in " ".join(NOISE.values()).replace("\\", "") and words not in output
     assert REAL_WARNING in done.stderr
-    progress = re.findall(r"step (\d)/6 \| loss [\d.]+ \| lr .* \| ETA [\d:]+", done.stderr)
-    assert progress == ["2", "4", "6"]  # rank 0 alone, at each log
+    progress = re.findall(r"step (\d)/5 \| loss [\d.]+ \| lr .* \| ETA [\d:]+", done.stderr)
+    assert progress == ["2", "4", "5"]  # rank 0 alone, at each log and the last step
 
     train_rows = [r for r in rows(run_dir) if "loss" in r]
-    assert [r["step"] for r in train_rows] == [2, 4, 6]
+    assert [r["step"] for r in train_rows] == [2, 4, 5]
     for row in train_rows:  # rank 1's sleep shows as its forward time; rank 0 is named not
         assert row["ranks/slowest"] == 1.0
         spread = row["ranks/forward_s_max"] - row["ranks/forward_s_min"]
         assert spread > 0.8 * 2 * SLOW_S, row
-        assert row["ranks/forward_s_min"] <= row["ranks/forward_s_median"] <= spread + 1e9
+        assert row["ranks/forward_s_min"] <= row["ranks/forward_s_median"]
     (spike,) = [r for r in rows(run_dir) if "spike_loss" in r]
-    assert spike["step"] == 5 and spike["spike_skipped"] == 1.0
+    assert spike["step"] == 4 and spike["spike_skipped"] == 1.0
     # both ranks skipped it: ZeRO-1 gathers each rank's half of the weights into the saved
     # module, so an update on either rank would show
-    assert same_weights(weights(run_dir, 5), weights(run_dir, 4))
-    assert not same_weights(weights(run_dir, 6), weights(run_dir, 5))
+    assert same_weights(weights(run_dir, 4), weights(run_dir, 3))
+    assert not same_weights(weights(run_dir, 5), weights(run_dir, 4))
