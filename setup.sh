@@ -3,9 +3,12 @@
 # megatron-core, DeepSpeed (no op builds, no build isolation) and the project itself.
 #
 #   bash setup.sh          runtime: train / evaluate / generate
-#   bash setup.sh --dev    + test, lint and evaluation tools (the dev extra: test + eval +
-#                          linters); under CI also --infra
+#   bash setup.sh --dev    + test, lint, evaluation and observability tools (the dev extra:
+#                          test + eval + wandb + report + linters); under CI also --infra
 #   bash setup.sh --infra  + system packages for tests/infra (SLURM, Docker; root, apt)
+#
+# One extra onto a made venv (W&B, say), its torch kept:
+#   .venv/bin/pip install -c .venv/torch-constraint.txt -e '.[wandb]'
 #
 # For a machine without internet that has a CUDA PyTorch already (a GPU node, a container):
 #

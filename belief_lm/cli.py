@@ -12,12 +12,16 @@
     belief-lm generate --checkpoint STEP_DIR --prompt TEXT [--max-new-tokens N]
                        [--temperature T (0: greedy)] [--top-k K] [--top-p P] [--seed S]
     belief-lm export --checkpoint STEP_DIR --format hf|torch --output PATH
+    belief-lm report RUN_DIR [RUN_DIR ...] [--out PNG]
+        plot a run's metrics (RUN_DIR/report.png) or overlay several (--out), and summarise
 
 Exit codes (belief_lm/exit_codes.py): 0 done; 1 failed while running; 2 bad command line,
-config, data or checkpoint (nothing was run); 65 a data source failed mid-run (the last
-completed step was saved; the message names the source, file and row); 75 stopped by
-SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint (requeue the job: it resumes from
-there).
+config, data or checkpoint (nothing was run); 3 the loss spiked train.spike.max_in_row
+steps in a row with train.spike.action=stop (the last step was saved); 65 a data source
+failed mid-run (the last completed step was saved; the message names the source, file and
+row); 75 stopped by SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint (requeue the job:
+it resumes from there). BELIEF_LM_VERBOSE=1 shows the libraries' messages that are
+otherwise kept off the console (belief_lm/logs.py).
 
 This module parses, calls a library function and prints; the work is elsewhere.
 """
@@ -30,9 +34,8 @@ import logging
 import os
 import shlex
 import sys
-import warnings
 
-from belief_lm import exit_codes
+from belief_lm import exit_codes, logs
 from belief_lm.config import Config, ConfigError, load_config
 from belief_lm.export import FORMATS
 from belief_lm.parallel.env import LaunchEnvError, detect, free_port
@@ -93,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     _checkpoint_argument(sub)
     sub.add_argument("--format", required=True, choices=FORMATS, help="hf: a folder; torch: a file")
     sub.add_argument("--output", "-o", required=True, help="path to create (must not exist)")
+    help_text = "plot and summarise runs from their metrics (one run, or several overlaid)"
+    sub = commands.add_parser("report", help=help_text, description=help_text)
+    sub.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
+    sub.add_argument("--out", help="the PNG to write (default RUN_DIR/report.png; needed "
+                     "for several runs)")  # fmt: skip
     return parser
 
 
@@ -151,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         return _evaluate(args)
     if args.command in ("generate", "export"):
         return _from_checkpoint(args)
+    if args.command == "report":
+        return _report(args)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":
@@ -212,7 +222,7 @@ def _train(cfg: Config) -> int:
     # caught from the first moment (before the heavy imports), then ignored until the process
     # ends: no signal during start-up or after the save may kill the rank
     stop = StopRequests().catch()
-    from belief_lm.train.loop import DataStop, NonFiniteLossError, train
+    from belief_lm.train.loop import DataStop, NonFiniteLossError, SpikeStop, train
 
     try:
         result = train(cfg, stop)
@@ -225,6 +235,9 @@ def _train(cfg: Config) -> int:
     except DataStop as err:
         print(f"belief-lm: data fault: {err}", file=sys.stderr)
         return exit_codes.DATA_FAULT
+    except SpikeStop as err:
+        print(f"belief-lm: {err}", file=sys.stderr)
+        return exit_codes.LOSS_SPIKES
     finally:
         stop.ignore_from_now()
     losses = list(result.losses.values())
@@ -238,13 +251,25 @@ def _train(cfg: Config) -> int:
     return exit_codes.DONE
 
 
+def _report(args: argparse.Namespace) -> int:
+    """`report`: torch-free (it reads the run directories' JSON lines)."""
+    from belief_lm import report
+
+    try:
+        print(report.report(args.run_dirs, args.out))
+    except ValueError as err:  # a missing run directory, no metrics, no matplotlib
+        print(f"belief-lm: {err}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    return exit_codes.DONE
+
+
 def _evaluate(args: argparse.Namespace) -> int:
     _quiet_libraries()
     from belief_lm.evaluate import evaluate, write_report
 
     try:
-        # stdout carries only the JSON: libraries' chatter (DeepSpeed prints) goes to stderr
-        with contextlib.redirect_stdout(sys.stderr):
+        # stdout carries only the JSON: libraries' prints go to stderr (the known ones nowhere)
+        with contextlib.redirect_stdout(logs.quieted(sys.stderr)):
             result = evaluate(
                 args.checkpoint, args.data, args.tensor, args.batches, args.micro_batch_size
             )
@@ -288,17 +313,12 @@ def _launch(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def _quiet_libraries() -> None:
-    """Our log lines on the first rank; library chatter and warnings only when asked for."""
+    """Our log lines on the first rank; the libraries' known chatter off the console."""
     try:
         rank = detect().rank  # RANK is not set yet under SLURM or MPI
     except LaunchEnvError:
         rank = 0  # train() reports the problem
-    level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    if not os.environ.get("BELIEF_LM_VERBOSE"):
-        warnings.filterwarnings("ignore")
-        for name in ("DeepSpeed", "deepspeed", "megatron", "torch.distributed"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+    logs.configure(rank)
 
 
 if __name__ == "__main__":

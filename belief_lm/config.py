@@ -133,6 +133,35 @@ class ParallelConfig(Section):
     """Seconds a rank waits in a collective before failing, so a dead peer ends the job."""
 
 
+class SpikeConfig(Section):
+    """Loss spikes: a step's loss judged against a running robust estimate of the loss (the
+    median and the median absolute deviation of the last `window` steps' losses)."""
+
+    threshold: float | None = Field(6.0, gt=0)
+    """A step whose loss is more than this many deviations (1.4826 x MAD, the standard
+    deviation for normal noise) above the median is a spike; None: no spike detection
+    (it costs one small all-reduce and a host sync per step)."""
+    window: int = Field(100, ge=3)
+    """Steps of loss history the median and MAD are taken over."""
+    min_history: int = Field(20, ge=3)
+    """Steps of history needed before any step is judged (the first steps after a start
+    or a resume without saved history are not)."""
+    action: Literal["log", "skip", "stop"] = "log"
+    """log: a metrics row and a warning; skip: also leave that step's update unapplied (on
+    every rank; not with parallel.pipeline > 1); stop: log, and after max_in_row spikes
+    in a row save and exit (exit code 3)."""
+    max_in_row: PositiveInt = 3
+    """Consecutive spikes after which action=stop saves and stops the run."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpikeConfig:
+        if self.min_history > self.window:
+            raise ValueError(
+                f"min_history ({self.min_history}) must not exceed window ({self.window})"
+            )
+        return self
+
+
 class TrainConfig(Section):
     """Optimisation: AdamW, warmup + cosine, clipping, accumulation."""
 
@@ -184,6 +213,8 @@ class TrainConfig(Section):
     max_nonfinite_steps: PositiveInt = 5
     """Consecutive steps with a non-finite gradient (skipped on every rank) after which
     the run stops with an error."""
+    spike: SpikeConfig = Field(default_factory=SpikeConfig)
+    """Loss-spike detection and what to do about a spike."""
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -212,6 +243,32 @@ class CheckpointConfig(Section):
     path of a checkpoint directory."""
 
 
+class WandbConfig(Section):
+    """Weights & Biases (optional: `pip install 'belief-lm[wandb]'`): the run's scalars,
+    effective config and environment, from rank 0."""
+
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    """disabled: no W&B; offline: files under run.output_dir/wandb to `wandb sync` later;
+    online: streamed to the W&B server (needs `wandb login` or WANDB_API_KEY)."""
+    project: str = "belief-lm"
+    """W&B project."""
+    entity: str | None = None
+    """W&B team or user; None: the logged-in user's default."""
+    name: str | None = None
+    """Display name of the W&B run; None: the name of run.output_dir."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags of the W&B run."""
+
+
+class ProfileConfig(Section):
+    """A torch.profiler trace of a few training steps (and on GPU a CUDA memory snapshot)."""
+
+    start_step: PositiveInt | None = None
+    """First step to record; None: no profiling."""
+    steps: PositiveInt = 3
+    """Steps recorded from start_step on."""
+
+
 class RunConfig(Section):
     """Where outputs go and how the run is logged."""
 
@@ -231,6 +288,10 @@ class RunConfig(Section):
     """Steps between belief diagnostics per layer (BeliefFormer Fig. 4); 0: never."""
     peak_tflops: float | None = Field(None, gt=0)
     """Peak dense TFLOP/s of one device, for MFU; None: looked up for known GPUs (bf16)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases logging (disabled by default)."""
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    """Profiling of a few steps, written under output_dir/profile."""
 
 
 def _one_word(value: str) -> str:

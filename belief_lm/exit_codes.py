@@ -11,6 +11,10 @@ FAILED = 1
 saved where a checkpoint could be written)."""
 BAD_INPUT = 2
 """Bad command line, config, data or checkpoint, found before any work: nothing was run."""
+LOSS_SPIKES = 3
+"""The loss spiked train.spike.max_in_row steps in a row with train.spike.action=stop: the
+run saved its last step and stopped for a person to look (lower the learning rate, skip
+the data, or resume from an earlier checkpoint with checkpoint.resume=DIR)."""
 DATA_FAULT = 65
 """A data source failed mid-run (too many unusable rows, a corrupt row group with
 data.on_corrupt_row_group=stop, a vanished file, an unreachable hub): the last completed

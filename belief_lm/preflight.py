@@ -10,6 +10,7 @@ refused before it waits in a queue. (torchtitan's ParallelDims plays the same pa
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> P
     accumulation = grad_accumulation_steps(cfg, dims.data)
     check_readers(cfg, dims.data)
     check_eval_tasks(cfg)
+    check_wandb(cfg)
     bf16 = None if device_type is None else use_bf16(cfg.train.precision, device_type)
     return Plan(dims, accumulation, bf16, plan_resume(cfg, dims))
 
@@ -113,6 +115,13 @@ def check_engine_settings(cfg: Config) -> None:
             f"parallel.pipeline={parallel.pipeline}: DeepSpeed's pipeline engine "
             "supports ZeRO stage 0 or 1"
         )
+    if parallel.pipeline > 1 and cfg.train.spike.action == "skip":
+        raise ValueError(
+            f"train.spike.action=skip cannot be combined with parallel.pipeline="
+            f"{parallel.pipeline}: DeepSpeed's pipeline engine applies the update inside "
+            "train_batch, and the step's loss leaves the last stage only after it, so a "
+            "spike cannot be kept from the weights; use action log or stop"
+        )
     if parallel.pipeline > model.num_layers:
         raise ValueError(
             f"parallel.pipeline ({parallel.pipeline}) exceeds model.num_layers "
@@ -147,6 +156,15 @@ def check_eval_tasks(cfg: Config) -> None:
     for task in cfg.train.eval_tasks:
         if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
             raise ValueError(f"train.eval_tasks: task file {task} does not exist")
+
+
+def check_wandb(cfg: Config) -> None:
+    """run.wandb needs Weights & Biases (the `wandb` extra); looked up, not imported."""
+    if cfg.run.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            f"run.wandb.mode={cfg.run.wandb.mode} needs Weights & Biases, which is not "
+            "installed: pip install 'belief-lm[wandb]' (or run.wandb.mode=disabled)"
+        )
 
 
 def use_bf16(precision: str, device_type: str) -> bool:

@@ -101,6 +101,8 @@ def test_belief_lm_parts_import_one_way():
         "belief_lm.preflight",
         "belief_lm.config",
         "belief_lm.exit_codes",
+        "belief_lm.logs",
+        "belief_lm.report",
         "belief_lm.parallel.env",
         "launcher.slurm",
         "launcher.local",

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from belief_lm.config import Config, ConfigError, load_config
 
@@ -75,6 +76,10 @@ def test_effective_config_round_trips(tmp_path):
         (["data.sources=[]"], "at least one source is required"),
         (["model"], "not of the form section.key=value"),
         (["model.num_layers.x=1"], "model.num_layers is not a section"),
+        (["train.spike.min_history=200"], "train.spike: min_history (200) must not exceed"),
+        (["train.spike.action=halt"], "train.spike.action = 'halt': Input should be"),
+        (["run.wandb.mode=cloud"], "run.wandb.mode = 'cloud': Input should be"),
+        (["run.profile.steps=0"], "run.profile.steps = 0: Input should be greater than 0"),
     ],
 )
 def test_errors_name_the_key(overrides, message):
@@ -120,6 +125,11 @@ def test_file_errors(tmp_path):
 
 
 def test_sections_document_every_field():
-    for section in Config.model_fields.values():
-        for name, field in section.annotation.model_fields.items():
-            assert field.description, f"{section.annotation.__name__}.{name} has no docstring"
+    """Every field of every section, nested sections (train.spike, run.wandb) included."""
+    sections = [field.annotation for field in Config.model_fields.values()]
+    while sections:
+        section = sections.pop()
+        for name, field in section.model_fields.items():
+            assert field.description, f"{section.__name__}.{name} has no docstring"
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                sections.append(field.annotation)

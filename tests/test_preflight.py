@@ -33,6 +33,7 @@ def test_a_good_layout_is_worked_out():
         (2, ["train.micro_batch_size=16"], "must be a multiple of train.micro_batch_size (16)"),
         (4, ["parallel.pipeline=2", "parallel.zero_stage=2"], "cannot be combined"),
         (8, ["parallel.pipeline=8"], "exceeds model.num_layers (4)"),
+        (2, ["parallel.pipeline=2", "train.spike.action=skip"], "train.spike.action=skip cannot"),
     ],
 )
 def test_bad_layouts_are_refused_naming_the_options(world, overrides, message):

@@ -1,5 +1,6 @@
 """Collectives: the sums the model is handed (it never looks up process groups itself),
-and the rank-zero-first pattern for work that fills a cache the other ranks then read."""
+the rank-zero-first pattern for work that fills a cache the other ranks then read, and
+work done on rank 0 alone while the others wait for its outcome."""
 
 from __future__ import annotations
 
@@ -71,3 +72,10 @@ def rank_zero_first(work: Callable[[], T]) -> T:
         bad_input, message = outcome[0]
         raise (ValueError if bad_input else RuntimeError)(f"on rank 0: {message}")
     return result if dist.get_rank() == 0 else work()
+
+
+def on_rank_zero(work: Callable[[], T]) -> T | None:
+    """`work()` on rank 0 while the other ranks wait (collective, as rank_zero_first: if it
+    fails, every rank fails with its message); None on the other ranks."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank_zero_first(lambda: work() if rank == 0 else None)

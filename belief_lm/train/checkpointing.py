@@ -67,14 +67,21 @@ def restore(plan: ResumePlan, cfg: Config, engine, layout: Layout) -> int:
         raise CheckpointError(f"DeepSpeed found no loadable checkpoint in {source}")
     info = plan.info
     if (info.tensor, info.pipeline, info.data) == (layout.tensor, layout.pipeline, layout.data):
-        path = plan.path / "run_state" / f"rank{dist.get_rank():05d}.pt"
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {plan.path} has no state for rank {dist.get_rank()}")
-        store.set_rng_state(torch.load(path, weights_only=False)["rng"])
+        store.set_rng_state(load_rank_state(plan, dist.get_rank())["rng"])
     else:  # RNG streams belong to ranks of the old layout: derive new ones
         torch.manual_seed(derived_seed(cfg.run.seed, info.step * RESEED_STRIDE + dist.get_rank()))
     log.info("resumed from %s at step %d", plan.path, info.step)
     return info.step
+
+
+def load_rank_state(plan: ResumePlan, rank: int) -> dict:
+    """The `rank_state` (and what the trainer added to it) that rank `rank` saved with
+    `plan`'s checkpoint. Rank 0's suits any layout for what every rank holds alike (the
+    loss history of spike detection)."""
+    path = plan.path / "run_state" / f"rank{rank:05d}.pt"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {plan.path} has no state for rank {rank}")
+    return torch.load(path, weights_only=False)
 
 
 def load_data_state(plan: ResumePlan) -> dict:

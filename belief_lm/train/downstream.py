@@ -22,10 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
 from belief_lm.config import TrainConfig
-from belief_lm.parallel.collectives import rank_zero_first
+from belief_lm.parallel.collectives import on_rank_zero
 
 log = logging.getLogger("belief_lm.train")
 
@@ -46,12 +44,6 @@ def due(train: TrainConfig, step: int) -> bool:
     return bool(train.eval_tasks) and (step == train.max_steps or bool(every and step % every == 0))
 
 
-def _on_rank_zero(work):
-    """`work()` on rank 0 while the other ranks wait (collective); None on the others."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank_zero_first(lambda: work() if rank == 0 else None)
-
-
 def check_tasks(tasks: list[str]) -> None:
     """Resolve `tasks` with lm-eval on rank 0 (collective): ValueError on every rank for an
     unknown task or an unreadable task file, before the run starts."""
@@ -61,7 +53,7 @@ def check_tasks(tasks: list[str]) -> None:
 
         resolve_tasks(tasks)
 
-    _on_rank_zero(resolve)
+    on_rank_zero(resolve)
 
 
 def evaluate(
@@ -84,7 +76,7 @@ def evaluate(
         return scalars(json.loads(output.read_text())["results"])
 
     log.info("running train.eval_tasks on %s", checkpoint)
-    return _on_rank_zero(run)
+    return on_rank_zero(run)
 
 
 def scalars(results: dict[str, dict]) -> dict[str, float]:

@@ -9,7 +9,7 @@ boundary, clipping, the optimizer/scheduler steps, and checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,20 +54,34 @@ class Trainee:
     """Whole-model parameter count (all ranks)."""
     pipelined: bool
 
-    def train_step(self, micro_batches: Iterator) -> torch.Tensor:
+    def train_step(
+        self, micro_batches: Iterator, screen: Callable[[torch.Tensor], bool] | None = None
+    ) -> torch.Tensor:
         """One optimizer step over the accumulation micro-batches; returns the mean loss of
-        this rank's micro-batches (a device tensor: reading it is the caller's sync)."""
-        engine, self.optimizer.skipped = self.engine, None
+        this rank's micro-batches (a device tensor: reading it is the caller's sync).
+
+        `screen`, when given, sees that loss once the step's gradients are complete and
+        before the update, and returns whether to skip the update (the optimizer makes
+        every rank skip if any says so). With a pipeline the engine updates inside
+        train_batch, so `screen` sees the loss only afterwards and may not ask to skip."""
+        engine = self.engine
+        self.optimizer.skipped = self.optimizer.nonfinite = None
         if self.pipelined:  # 1F1B over all micro-batches, optimizer step included
-            return engine.train_batch(data_iter=micro_batches)
+            loss = engine.train_batch(data_iter=micro_batches)
+            if screen is not None and screen(loss):
+                raise RuntimeError("a pipelined step was asked to skip its update after it")
+            return loss
         accumulation = engine.gradient_accumulation_steps()
         total = None
-        for _ in range(accumulation):
+        for micro in range(accumulation):
             tokens, labels = next(micro_batches)
             loss = engine(tokens, labels)
             engine.backward(loss)  # DeepSpeed divides by the accumulation steps
-            engine.step()  # optimizer + scheduler step only at the accumulation boundary
             total = loss.detach() if total is None else total + loss.detach()
+            if screen is not None and micro == accumulation - 1:
+                self.optimizer.veto = screen(total / accumulation)  # before the update
+            engine.step()  # optimizer + scheduler step only at the accumulation boundary
+        self.optimizer.veto = False
         return total / accumulation
 
     @property
@@ -75,7 +89,12 @@ class Trainee:
         """Whether the last step's update was skipped for a non-finite gradient (decided
         on every rank together); DeepSpeed's own overflow check may skip the optimizer
         entirely, which counts as skipped too."""
-        return self.optimizer.skipped is not False
+        return self.optimizer.nonfinite is not False
+
+    @property
+    def update_vetoed(self) -> bool:
+        """Whether the last step's update was skipped because a rank's `screen` asked."""
+        return bool(self.optimizer.skipped) and self.optimizer.nonfinite is False
 
     def global_mean(self, loss: torch.Tensor) -> float:
         """This step's loss averaged over the global batch, on every rank (collective over

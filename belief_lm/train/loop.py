@@ -4,7 +4,8 @@
 tokenizer, model in its DeepSpeed engine, data stream, resume); the loop then repeats
 `train_step` and, when due, `log`, `validate`, `diagnose` and `save`. The engine's step is
 `belief_lm.train.engine`, meters and sinks are `belief_lm.train.metrics`, checkpoints
-`belief_lm.train.checkpointing`.
+`belief_lm.train.checkpointing`; what a person watching sees is `progress`, loss spikes
+`spikes`, the per-rank compute times `ranks`, a profiled stretch of steps `profile`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from belief_lm.checkpoint.files import CheckpointError
 from belief_lm.config import Config
 from belief_lm.model.gpt import padded_vocab_size
 from belief_lm.parallel import env as process_env
-from belief_lm.parallel.collectives import rank_zero_first
+from belief_lm.parallel.collectives import on_rank_zero, rank_zero_first
 from belief_lm.parallel.dims import Layout
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
 from belief_lm.preflight import Plan, preflight
@@ -32,8 +33,12 @@ from belief_lm.train import checkpointing, downstream
 from belief_lm.train.diagnostics import belief_diagnostics
 from belief_lm.train.engine import Trainee, build_engine
 from belief_lm.train.metrics import Meter, MetricsLogger, format_scalars
-from belief_lm.train.run_dir import drop_metrics_after, prepare_run_dir
+from belief_lm.train.profile import StepProfiler
+from belief_lm.train.progress import Progress
+from belief_lm.train.ranks import ForwardTimer, rank_spread
+from belief_lm.train.run_dir import drop_metrics_after, prepare_run_dir, record_start
 from belief_lm.train.signals import Preempted, StopRequests
+from belief_lm.train.spikes import Spike, SpikeDetector
 from belief_lm.train.validation import validation_batches, validation_loss
 from data_pipeline.build import build_tokenizer, build_train_data, check_data
 from data_pipeline.loader import Collective, TrainData
@@ -51,6 +56,11 @@ class DataStop(RuntimeError):
     """A data source failed mid-run; the last completed step was saved (exit_codes.DATA_FAULT)."""
 
 
+class SpikeStop(RuntimeError):
+    """train.spike.max_in_row loss spikes in a row with train.spike.action=stop; the step
+    was saved (exit_codes.LOSS_SPIKES)."""
+
+
 @dataclass
 class TrainResult:
     """What a finished run reports back (on every rank)."""
@@ -63,6 +73,8 @@ class TrainResult:
     """Validation loss at every evaluated step."""
     skipped_steps: list[int] = field(default_factory=list)
     """Steps whose update was skipped because a gradient was not finite."""
+    spikes: list[int] = field(default_factory=list)
+    """Steps whose loss was a spike (train.spike)."""
     task_scores: dict[int, dict[str, float] | None] = field(default_factory=dict)
     """train.eval_tasks scores at every step they ran (on rank 0; None elsewhere)."""
 
@@ -86,6 +98,8 @@ def train(cfg: Config, stop: StopRequests | None = None) -> TrainResult:
                     skipped_in_a_row(result, step, cfg.train.max_nonfinite_steps, trainer)
                 if trainer.due(cfg.run.log_interval):
                     result.losses[step] = trainer.log(loss)
+                if trainer.spike is not None:
+                    spiked_in_a_row(result, trainer.spike, trainer)
                 if trainer.due(cfg.train.eval_interval):
                     result.val_losses[step] = trainer.validate()
                 if trainer.due(cfg.run.diagnostics_interval, at_end=False):
@@ -118,6 +132,21 @@ def skipped_in_a_row(result: TrainResult, step: int, limit: int, trainer: Traine
         )
 
 
+def spiked_in_a_row(result: TrainResult, spike: Spike, trainer: Trainer) -> None:
+    """Record a loss spike; with train.spike.action=stop, after max_in_row in a row, save
+    and stop (every rank judged the same global loss, so every rank stops together)."""
+    result.spikes.append(spike.step)
+    trainer.report_spike(spike)
+    cfg = trainer.cfg.train.spike
+    if cfg.action == "stop" and trainer.spikes.in_a_row >= cfg.max_in_row:
+        trainer.save()
+        raise SpikeStop(
+            f"{trainer.spikes.in_a_row} loss spikes in a row (up to step {spike.step}, loss "
+            f"{spike.loss:.4g} against a median of {spike.median:.4g}); checkpoint saved, "
+            f"stopping (train.spike.action=stop, max_in_row={cfg.max_in_row})"
+        )
+
+
 @dataclass
 class Trainer:
     """A run between steps: its parts, and the steps a training loop takes with them."""
@@ -142,6 +171,17 @@ class Trainer:
     """The step this process started from."""
     consumed_tokens: int
     """Training tokens consumed so far (all ranks)."""
+    spikes: SpikeDetector | None
+    """The loss history spikes are judged against (None: train.spike.threshold is None)."""
+    timer: ForwardTimer
+    """This rank's seconds in the model's forward passes (slow ranks show in its spread)."""
+    profiler: StepProfiler
+    progress: Progress | None
+    """The console's progress line or bar, on the rank that logs (None elsewhere)."""
+    spike: Spike | None = None
+    """The last step's loss spike, if it was one."""
+    step_loss: float | None = None
+    """The last step's global mean loss, when spike detection already computed it."""
     lr: float = 0.0
     """The learning rate of the last step."""
     data_wait_s: float = 0.0
@@ -190,12 +230,20 @@ class Trainer:
                 cfg.data, tokenizer, cfg.model.seq_length, cfg.train.micro_batch_size, layout,
                 device, cfg.train.eval_batches,
             )  # fmt: skip
-        metrics = None
-        if is_logger:
+        spikes = None
+        if cfg.train.spike.threshold is not None:
+            saved = None if resume is None else checkpointing.load_rank_state(resume, 0)
+            spikes = SpikeDetector(cfg.train.spike, (saved or {}).get("spikes"))
+
+        def open_sinks() -> MetricsLogger:  # on rank 0; a W&B failure stops every rank
             copy_model(tokenizer, run_dir / "tokenizer.model")  # the run dir is self-contained
             if resume is not None:
                 drop_metrics_after(run_dir, start)  # rows a crashed run logged past its save
-            metrics = MetricsLogger(run_dir, cfg.run.tensorboard)
+            record_start(run_dir, start, dist.get_world_size())
+            return MetricsLogger.open(cfg, run_dir, resumed=resume is not None)
+
+        metrics = on_rank_zero(open_sinks)
+        if is_logger:
             log.info(
                 "model %s (%s attention): %s parameters, vocab %d | layout TP%d x PP%d x DP%d | "
                 "%d tokens per step%s",
@@ -210,20 +258,46 @@ class Trainer:
             meter=Meter(cfg, vocab_size, device, dist.get_world_size(), start), metrics=metrics,
             validation=validation, step=start, start=start,
             consumed_tokens=0 if resume is None else resume.info.consumed_tokens,
+            spikes=spikes, timer=ForwardTimer(trainee.engine.module, device),
+            profiler=StepProfiler(cfg.run.profile, run_dir, device, dist.get_rank()),
+            progress=Progress(cfg.train.max_steps, start) if is_logger else None,
         )  # fmt: skip
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step; returns this rank's mean loss (a device tensor). Raises
         DataFault (on every rank, before training) if a data source failed."""
-        waited = time.perf_counter()
-        batches = self.data.next_step()  # the whole step, or a DataFault on every rank
-        self.data_wait_s += time.perf_counter() - waited
-        self.last_batch = batches[-1]
-        self.lr = self.trainee.engine.get_lr()[0]  # this step's rate (the schedule moves on)
-        loss = self.trainee.train_step(iter(batches))
+        self.spike, self.step_loss = None, None
+        with self.profiler.step(self.step + 1):
+            waited = time.perf_counter()
+            batches = self.data.next_step()  # the whole step, or a DataFault on every rank
+            self.data_wait_s += time.perf_counter() - waited
+            self.last_batch = batches[-1]
+            self.lr = self.trainee.engine.get_lr()[0]  # this step's rate (the schedule moves on)
+            screen = None if self.spikes is None else self.judge_loss
+            with self.timer.measuring():
+                loss = self.trainee.train_step(iter(batches), screen)
         self.step += 1
         self.consumed_tokens += self.meter.tokens_per_step
         return loss
+
+    def judge_loss(self, loss: torch.Tensor) -> bool:
+        """The step's loss against the running estimate, before its update (collective over
+        data parallelism: every rank judges the same global mean); True: skip the update."""
+        self.step_loss = self.trainee.global_mean(loss)  # host-device sync, every step
+        self.spike = self.spikes.check(self.step + 1, self.step_loss)
+        return self.spike is not None and self.cfg.train.spike.action == "skip"
+
+    def report_spike(self, spike: Spike) -> None:
+        """A metrics row (prefix `spike`) and a warning line for a loss spike."""
+        if self.metrics is None:
+            return
+        skipped = self.trainee.update_vetoed
+        self.metrics.log(spike.step, spike.scalars(skipped), prefix="spike")
+        log.warning(
+            "step %d: loss spike %.4g, %.1f deviations above the median %.4g of the last %d "
+            "steps%s", spike.step, spike.loss, spike.score, spike.median, spike.history,
+            "; update skipped" if skipped else "",
+        )  # fmt: skip
 
     def due(self, interval: int, at_end: bool = True) -> bool:
         """Whether something done every `interval` steps (0: never) is due at this step;
@@ -240,15 +314,17 @@ class Trainer:
         """Log this step's scalars (collective: the loss is averaged over data parallelism)
         and return the loss."""
         norm = self.trainee.engine.get_global_grad_norm()
+        mean = self.trainee.global_mean(loss) if self.step_loss is None else self.step_loss
+        forward_s = self.timer.take() / (self.step - self.meter.last_step)  # per step
         scalars = self.meter.scalars(
-            self.step, self.trainee.global_mean(loss), self.lr,
-            None if norm is None else float(norm), self.data_wait_s,
-        )  # fmt: skip
+            self.step, mean, self.lr, None if norm is None else float(norm), self.data_wait_s
+        )
         scalars.update(self.data.stats())  # data health, summed over the ranks
+        if dist.get_world_size() > 1:  # a straggler shows in the spread (one all-gather)
+            scalars.update(rank_spread(forward_s))
         if self.metrics is not None:
             self.metrics.log(self.step, scalars)
-            total = self.cfg.train.max_steps
-            log.info("step %d/%d | %s", self.step, total, format_scalars(scalars))
+            self.progress.update(self.step, scalars)
         return scalars["loss"]
 
     def validate(self) -> float:
@@ -279,8 +355,12 @@ class Trainer:
             self.metrics.log(self.step, stats, prefix="belief", jsonl="diagnostics.jsonl")
 
     def state_dict(self) -> dict:
-        """This rank's state beyond the engine's and the data's: its RNG states."""
-        return checkpointing.rank_state(self.layout)
+        """This rank's state beyond the engine's and the data's: its RNG states, and the
+        loss history spikes are judged against."""
+        state = checkpointing.rank_state(self.layout)
+        if self.spikes is not None:
+            state["spikes"] = self.spikes.state_dict()
+        return state
 
     def save(self) -> Path:
         """Checkpoint this step (collective), with the data position of every rank."""
@@ -291,8 +371,10 @@ class Trainer:
         )  # fmt: skip
 
     def close(self) -> None:
+        self.profiler.close()
         self.data.close()
         if self.metrics is not None:
+            self.progress.close()
             self.metrics.close()
 
 

@@ -1,54 +1,144 @@
-"""What a run measures and where it goes: throughput and memory meters, and the sinks
-(metrics.jsonl, one JSON object per logged step, and tensorboard)."""
+"""What a run measures and where it goes: throughput and memory meters, and the sinks the
+logging rank writes every scalar to: metrics.jsonl (one JSON object per logged step),
+tensorboard and Weights & Biases (run.wandb), all behind one interface."""
 
 from __future__ import annotations
 
 import json
 import math
 import resource
+import secrets
+import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from belief_lm.config import Config
 from belief_lm.train.flops import flops_per_token, peak_tflops
 
+Scalars = dict[str, float | None]
 
-class MetricsLogger:
-    """Writes scalars to `run_dir/metrics.jsonl` and `run_dir/tensorboard/`.
 
-    Only the rank that logs creates one; others get `None` and skip logging.
-    """
+class Sink(Protocol):
+    """Where logged scalars go. `prefix` groups them (train, val, belief, ...), `jsonl`
+    names the file a line-per-step sink writes them to."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
-        self.run_dir = Path(run_dir)
-        self._files: dict[str, object] = {}
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+    def write(self, step: int, scalars: Scalars, prefix: str, jsonl: str) -> None: ...
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+    def close(self) -> None: ...
 
-    def log(
-        self, step: int, scalars: dict, prefix: str = "train", jsonl: str = "metrics.jsonl"
-    ) -> None:
-        """Record `scalars` for `step` in `jsonl` and under `prefix/` in tensorboard
-        (non-finite values are written as null)."""
+
+class JsonlSink:
+    """`run_dir/<jsonl>`: one JSON object per call, {"step": ..., **scalars}; non-finite
+    values are written as null. Appends: a resumed run continues the same files."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self._files = run_dir, {}
+
+    def write(self, step: int, scalars: Scalars, prefix: str, jsonl: str) -> None:
         clean = {k: (v if v is None or math.isfinite(v) else None) for k, v in scalars.items()}
         if jsonl not in self._files:
             self._files[jsonl] = (self.run_dir / jsonl).open("a", buffering=1)
         self._files[jsonl].write(json.dumps({"step": step, **clean}) + "\n")
-        if self._tb is not None:
-            for name, value in scalars.items():
-                if value is not None:
-                    self._tb.add_scalar(f"{prefix}/{name}", value, step)
 
     def close(self) -> None:
         for file in self._files.values():
             file.close()
-        if self._tb is not None:
-            self._tb.close()
+
+
+class TensorboardSink:
+    """Tensorboard event files under `log_dir`, scalars named `prefix/name`."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, step: int, scalars: Scalars, prefix: str, jsonl: str) -> None:
+        for name, value in scalars.items():
+            if value is not None:
+                self._writer.add_scalar(f"{prefix}/{name}", value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run with the tensorboard names (`prefix/name`) at the trainer's
+    step. Its id is kept in `run_dir/wandb/run_id`, so a resumed run continues the same W&B
+    run; offline runs are written under `run_dir/wandb/` for `wandb sync`."""
+
+    ID_FILE = Path("wandb") / "run_id"
+
+    def __init__(self, cfg: Config, run_dir: Path, resumed: bool):
+        import wandb  # the wandb extra; pre-flight refused the run if it is missing
+
+        settings = cfg.run.wandb
+        id_file = run_dir / self.ID_FILE
+        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
+        if run_id is None:
+            run_id = secrets.token_hex(4)  # W&B's own ids: 8 lowercase letters/digits
+            id_file.parent.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(run_id + "\n")
+        self._run = wandb.init(
+            mode=settings.mode, project=settings.project, entity=settings.entity,
+            name=settings.name or run_dir.resolve().name, tags=settings.tags, id=run_id,
+            resume="allow", dir=str(run_dir),
+        )  # fmt: skip
+        # the run config: every effective value, and what produced the run; a resume may
+        # change some (train.max_steps), which W&B refuses unless told
+        environment = json.loads((run_dir / "environment.json").read_text())
+        config = {**cfg.model_dump(mode="json"), "environment": environment}
+        self._run.config.update(config, allow_val_change=True)
+
+    @property
+    def id(self) -> str:
+        return self._run.id
+
+    def write(self, step: int, scalars: Scalars, prefix: str, jsonl: str) -> None:
+        values = {f"{prefix}/{k}": v for k, v in scalars.items() if v is not None}
+        # W&B keeps the first values it got for a step: the steps a resumed run repeats
+        # (logged before a crash, after its checkpoint) are dropped; on the same layout
+        # they are the same numbers (bit-exact resume)
+        self._run.log(values, step=step)
+
+    def close(self) -> None:
+        failed = sys.exc_info()[0] is not None  # closed while an exception propagates
+        self._run.finish(exit_code=1 if failed else 0)
+
+
+class MetricsLogger:
+    """Writes scalars to every sink of the run: metrics.jsonl always, tensorboard
+    (run.tensorboard) and W&B (run.wandb.mode) when enabled.
+
+    Only the rank that logs creates one; others get `None` and skip logging.
+    """
+
+    def __init__(self, sinks: list[Sink]):
+        self.sinks = sinks
+
+    @classmethod
+    def open(cls, cfg: Config, run_dir: Path, resumed: bool = False) -> MetricsLogger:
+        """The run's sinks; `resumed`: the run continues from a checkpoint (and its W&B run)."""
+        sinks: list[Sink] = [JsonlSink(run_dir)]
+        if cfg.run.tensorboard:
+            sinks.append(TensorboardSink(run_dir / "tensorboard"))
+        if cfg.run.wandb.mode != "disabled":
+            sinks.append(WandbSink(cfg, run_dir, resumed))
+        return cls(sinks)
+
+    def log(
+        self, step: int, scalars: Scalars, prefix: str = "train", jsonl: str = "metrics.jsonl"
+    ) -> None:
+        """Record `scalars` for `step` in `jsonl` and under `prefix/` elsewhere."""
+        for sink in self.sinks:
+            sink.write(step, scalars, prefix, jsonl)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 class Meter:

@@ -42,25 +42,35 @@ class WarmupCosine:
 
 class GuardedAdamW(torch.optim.AdamW):
     """torch's AdamW that skips an update, on every rank together, when any rank holds a
-    non-finite gradient (a non-finite loss makes its gradients non-finite).
+    non-finite gradient (a non-finite loss makes its gradients non-finite) or any rank
+    vetoes it (`veto`: a loss spike with train.spike.action=skip).
 
     DeepSpeed calls step() on every rank at each optimizer step (ZeRO calls it on its flat
-    fp32 partitions), so the decision is one all-reduce of a flag over the world, after the
-    gradients were reduced and before anything is updated; `skipped` tells the caller.
+    fp32 partitions, once per parameter group), so the decision is one all-reduce of two
+    flags over the world, after the gradients were reduced and before anything is
+    updated; `skipped` and `nonfinite` tell the caller.
     """
 
     skipped = False
+    """Whether the last step() applied no update (for either reason)."""
+    nonfinite = False
+    """Whether the last step() found a non-finite gradient on some rank."""
+    veto = False
+    """Set by the caller before the engine steps the optimizer: skip this update. It stays
+    set until the caller clears it (ZeRO steps each parameter group separately)."""
 
     @torch.no_grad()
     def step(self, closure=None):
         params = (p for group in self.param_groups for p in group["params"])
         grads = [p.grad for p in params if p.grad is not None]
-        finite = torch.ones((), device=grads[0].device if grads else "cpu")
+        device = grads[0].device if grads else "cpu"
+        flags = torch.tensor([0.0, float(self.veto)], device=device)  # [non-finite, veto]
         if grads:
-            finite = torch.isfinite(torch.nn.utils.get_total_norm(grads)).to(finite.dtype)
+            flags[0] = torch.isfinite(torch.nn.utils.get_total_norm(grads)).logical_not()
         if dist.is_initialized():
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        self.skipped = not bool(finite)  # host-device sync, once per optimizer step
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, vetoed = flags.tolist()  # host-device sync, once per optimizer step
+        self.nonfinite, self.skipped = bool(nonfinite), bool(nonfinite or vetoed)
         return None if self.skipped else super().step(closure)
 
 

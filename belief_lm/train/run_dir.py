@@ -1,7 +1,9 @@
-"""The run directory: effective config and provenance, written before training starts."""
+"""The run directory: effective config and provenance, written before training starts,
+and a record of every start of the run (first start, resumes)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -20,9 +22,32 @@ def prepare_run_dir(cfg: Config, write: bool = True) -> Path:
     return run_dir
 
 
+STARTS = "starts.jsonl"
+"""One line per start of the run: {"step": the step it started from (0, or the checkpoint
+it resumed), "time", "world_size", "git_commit", "host"}; `belief-lm report` counts the
+resumes from it."""
+
+
+def record_start(run_dir: Path, step: int, world_size: int) -> None:
+    """Append this start of the run to `run_dir/starts.jsonl`."""
+    environment = json.loads((run_dir / "environment.json").read_text())
+    record = {
+        "step": step,
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "world_size": world_size,
+        "git_commit": environment["git_commit"],
+        "host": environment["host"],
+    }
+    with (run_dir / STARTS).open("a") as file:
+        file.write(json.dumps(record) + "\n")
+
+
 def drop_metrics_after(run_dir: Path, step: int) -> None:
     """Keep only the rows up to `step` in every per-step log (metrics.jsonl,
-    diagnostics.jsonl): a resumed run logs the later ones again."""
+    diagnostics.jsonl): a resumed run logs the later ones again. (starts.jsonl is the
+    run's history, not a per-step log: it keeps every start.)"""
     for path in run_dir.glob("*.jsonl"):
+        if path.name == STARTS:
+            continue
         rows = [r for r in path.read_text().splitlines() if json.loads(r)["step"] <= step]
         path.write_text("".join(f"{r}\n" for r in rows))

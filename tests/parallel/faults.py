@@ -33,7 +33,7 @@ def main():
             float(p.detach().double().abs().sum()) for p in trainee.engine.module.parameters()
         )
 
-    def faulty_step(trainee, micro_batches):
+    def faulty_step(trainee, micro_batches, screen=None):
         calls.append(None)
         hook = None
         if len(calls) in nan_steps and dist.get_rank() == nan_rank:
@@ -41,7 +41,7 @@ def main():
             hook = layer.register_forward_hook(lambda m, args, out: out * float("nan"))
         before = checksum(trainee)
         try:
-            loss = original_step(trainee, micro_batches)
+            loss = original_step(trainee, micro_batches, screen)
         finally:
             if hook is not None:
                 hook.remove()
