@@ -4,7 +4,6 @@ between GPU sessions), and the real thing, shortened, where there is a GPU."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from bench import gpu
+from tests.jobs import job_env, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_KEYS = {"model", "attention", "fused", "micro_batch", "tokens_per_s", "tflops", "mfu"}
@@ -21,7 +21,8 @@ RUN_KEYS |= {"peak_memory_gb", "ratio_to_softmax"}
 def bench(tmp_path, *arguments: str, timeout: float = 600) -> dict:
     out = tmp_path / "result.json"
     command = [sys.executable, "bench/gpu.py", "--out", str(out), *arguments]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    # job_env: without the rendezvous variables this test process may have exported
+    run = run_job(command, timeout, cwd=ROOT, env=job_env())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["command"].endswith(" ".join(command[1:]))
