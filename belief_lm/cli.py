@@ -10,6 +10,7 @@
         local: torchrun on this machine; slurm: render slurm/pretrain.sbatch and sbatch it
     belief-lm generate --checkpoint STEP_DIR --prompt TEXT [--max-new-tokens N]
                        [--temperature T (0: greedy)] [--top-k K] [--top-p P] [--seed S]
+                       [--no-cache]
     belief-lm export --checkpoint STEP_DIR --format hf|torch --output PATH
 
 Exit codes (belief_lm/exit_codes.py): 0 done; 1 failed while running; 2 bad command line,
@@ -105,6 +106,9 @@ def _generate_arguments(commands) -> None:
     sub.add_argument("--top-p", type=float, help="sample among the most likely tokens up to p")
     sub.add_argument("--seed", type=int, default=0, help="same seed, same text")
     sub.add_argument(
+        "--no-cache", action="store_true", help="rerun the model over the context at every step"
+    )
+    sub.add_argument(
         "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda if present"
     )
 
@@ -191,7 +195,9 @@ def _from_checkpoint(args: argparse.Namespace) -> int:
         if args.max_new_tokens < 0:  # before the checkpoint is loaded
             raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
         loaded = load_model(args.checkpoint, args.device)
-        completion = loaded.complete(args.prompt, args.max_new_tokens, sampling, args.seed)
+        completion = loaded.complete(
+            args.prompt, args.max_new_tokens, sampling, args.seed, use_cache=not args.no_cache
+        )
     except ValueError as err:
         print(f"belief-lm: {err}", file=sys.stderr)
         return exit_codes.BAD_INPUT

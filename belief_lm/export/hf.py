@@ -1,7 +1,7 @@
 """Export a checkpoint as a Hugging Face transformers model folder.
 
     OUT/config.json                 BeliefLMConfig, with auto_map to the shipped code
-    OUT/generation_config.json      EOS/BOS/PAD ids; no KV cache
+    OUT/generation_config.json      EOS/BOS/PAD ids; use_cache (decoding with a cache)
     OUT/model.safetensors           fp32 weights under transformers-style names
     OUT/configuration_belief_lm.py  \
     OUT/modeling_belief_lm.py        > the model in plain PyTorch (hf_template/)
@@ -84,7 +84,7 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer: Tokenizer) -> dict
         "beta": model.beta,
         "head_scales": model.head_scales,
         "tie_word_embeddings": model.tie_embeddings,
-        "use_cache": False,
+        "use_cache": True,
         "torch_dtype": "float32",
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": tokenizer.eos_id,
@@ -138,7 +138,7 @@ def export_hf(checkpoint: Consolidated, output: Path) -> None:
     # the embedding is padded past the tokenizer's vocabulary: never generate those ids
     padding = list(range(tokenizer.vocab_size, checkpoint.info.vocab_size))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    generation["use_cache"] = False
+    generation["use_cache"] = True
     if padding:
         generation["suppress_tokens"] = padding
     _write_json(output / "generation_config.json", generation)
