@@ -171,14 +171,15 @@ class Trainer:
                 f"this run {vocab_size}"
             )
         other_layout = resume is not None and resume.other_layout
-        trainee = build_engine(cfg, layout, vocab_size, device, other_layout)
+        weights = checkpointing.weights_only(resume)  # an imported model: its weights alone
+        trainee = build_engine(cfg, layout, vocab_size, device, other_layout, weights)
         data = build_train_data(
             cfg.data, tokenizer, cfg.model.seq_length, cfg.train.global_batch_size,
             cfg.train.micro_batch_size, layout.data_rank, layout.data, device,
             collective=data_collective(),
         )  # fmt: skip
-        start = 0
-        if resume is not None:
+        start = 0 if resume is None else resume.info.step
+        if resume is not None and weights is None:
             start = checkpointing.restore(resume, cfg, trainee.engine, layout)
             data.load_state_dict(checkpointing.load_data_state(resume))
         validation = []
