@@ -12,6 +12,8 @@
                        [--temperature T (0: greedy)] [--top-k K] [--top-p P] [--seed S]
                        [--no-cache]
     belief-lm export --checkpoint STEP_DIR --format hf|torch --output PATH
+    belief-lm import-hf DIR --config RUN.yaml [section.key=value ...]
+        a Hugging Face Llama folder as the run's weights-only step 0 (train starts from it)
 
 Exit codes (belief_lm/exit_codes.py): 0 done; 1 failed while running; 2 bad command line,
 config, data or checkpoint (nothing was run); 65 a data source failed mid-run (the last
@@ -92,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     _checkpoint_argument(sub)
     sub.add_argument("--format", required=True, choices=FORMATS, help="hf: a folder; torch: a file")
     sub.add_argument("--output", "-o", required=True, help="path to create (must not exist)")
+    help_text = "a Hugging Face Llama checkpoint as a run's step-0 checkpoint (weights only)"
+    sub = commands.add_parser("import-hf", help=help_text, description=help_text)
+    sub.add_argument("dir", metavar="DIR", help="folder with config.json and *.safetensors")
+    _config_arguments(sub)
     return parser
 
 
@@ -165,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(args, cfg)
         if args.command == "train":
             return _train(cfg)
+        if args.command == "import-hf":
+            from belief_lm.hf_import import import_hf  # heavy imports after the argument checks
+
+            print(import_hf(args.dir, cfg))
+            return exit_codes.DONE
         from belief_lm import data_commands  # heavy imports after the argument checks
 
         if args.command == "tokenizer":
