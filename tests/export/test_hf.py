@@ -137,6 +137,15 @@ def test_generate_with_the_cache_equals_without_it_and_ours(
     assert fed == expected
     assert greedy(hf, prompts[:1], use_cache=False) == ours[:1]
     assert greedy(hf, prompts, use_cache=True) == greedy(hf, prompts, use_cache=False) == ours
+    ids = tokens(16, seed=3, rows=1)  # and the logits of every step, through the cache
+    with torch.no_grad():
+        out = hf(ids[:, :6], use_cache=True)
+        steps = [out.logits]
+        for i in range(6, 16):
+            out = hf(ids[:, i : i + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+        full = hf(ids, use_cache=False).logits
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-4)
 
 
 def test_real_checkpoint_loads_without_belief_lm(trained_checkpoint, tmp_path):
