@@ -3,6 +3,8 @@ of make_checkpoint (tests/conftest.py), and random token ids from the small toke
 
 import torch
 
+from belief_lm.variants import VARIANTS
+
 SMALL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
 SMALL |= {"ffn_hidden_size": 48, "seq_length": 16, "init_std": 0.3}
 """ModelConfig fields of the tests' small models (2 layers, width 32, 16 positions)."""
@@ -24,6 +26,11 @@ LLAMA_LIKE = {
     "bias": False,
 }
 ARCHITECTURES = {"gpt2": GPT2_LIKE, "llama": LLAMA_LIKE}
+VARIANTS_AND_ARCHITECTURES = [(variant, "llama") for variant in VARIANTS] + [
+    ("belief_star", "gpt2"),
+    ("attention_bn_sh", "gpt2"),
+]
+"""Every variant at the harder architecture (RoPE, GQA), two at the other (learned positions)."""
 
 
 def tokens(n: int, seed: int = 0, rows: int = 2) -> torch.Tensor:

@@ -11,7 +11,7 @@ from belief_lm.export import export
 from belief_lm.inference.generate import Sampling, generate
 from belief_lm.inference.load import load_model
 from belief_lm.variants import VARIANTS
-from tests.models import ARCHITECTURES, LLAMA_LIKE, SMALL, tokens
+from tests.models import ARCHITECTURES, LLAMA_LIKE, SMALL, VARIANTS_AND_ARCHITECTURES, tokens
 
 TEXTS = ["The for statement", " two  spaces\n\ttab </s> <s> <pad>", "ünïcödé ✓ 𝔘 €42", ""]
 
@@ -102,11 +102,7 @@ def greedy(hf, prompts: list[list[int]], use_cache: bool, new: int = 12) -> list
     return [until_eos(row) for row in out[:, width:].tolist()]
 
 
-@pytest.mark.parametrize(
-    ("variant", "arch"),
-    [(variant, "llama") for variant in VARIANTS]
-    + [("belief_star", "gpt2"), ("attention_bn_sh", "gpt2")],
-)
+@pytest.mark.parametrize(("variant", "arch"), VARIANTS_AND_ARCHITECTURES)
 def test_generate_with_the_cache_equals_without_it_and_ours(
     make_checkpoint, tmp_path, variant, arch
 ):
