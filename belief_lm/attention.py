@@ -20,6 +20,8 @@ MH = concat_m H_m, V = concat_m V_m (with GQA, V_m is the value of head m's KV g
 `attention_heads` and `residual_signal` put these together into a whole attention layer's
 core (Q, K, V in; the signal for the output projection out). They are also what the
 Hugging Face export ships (this file needs only torch), so both compute the same thing.
+`DecodeCache` (at the end) is what decoding keeps between steps, for every variant: the
+same math, fed a few tokens at a time.
 
 All projections are per token: coefficients never mix positions. Inner products are
 accumulated in fp32 whatever the input dtype. If <V_i, V_i> = 0 then V_i = 0 and <MH_i, V_i> = 0,
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -160,14 +163,22 @@ def attention_heads(
     beta: float = 1.0,
     head_scales: Sequence[int] = (),
     softmax_scale: float | None = None,
+    cache: LayerCache | None = None,
+    step: DecodeStep | None = None,
 ) -> Tensor:
     """Causal H for queries [b, heads, s, d] and keys/values [b, groups, s, d].
 
     `mixing` is VARIANTS' first entry (belief_lm/variants.py): plain softmax, Attention-BN
     (queries recentred by the mean of the keys each may see), Attention-SH (head m attends
     to keys/values pooled by `head_scales[m]`) or both. Softmax runs in torch SDPA (flash
-    kernels on GPU).
+    kernels on GPU). With a `cache` (decoding), k and v are added to it at `step`'s
+    positions and the queries attend to everything it holds (`cached_heads`); the first
+    step of an unpadded batch is the whole sequence, computed as without a cache.
     """
+    if cache is not None:
+        cache.append(k, v, step)
+        if not step.fresh:
+            return cached_heads(q, cache, step, mixing, beta, head_scales, softmax_scale)
     if mixing not in ("sh", "bn_sh"):
         return _attend(q, k, v, mixing, beta, 1, softmax_scale)
     heads = q.shape[1]
@@ -219,3 +230,127 @@ def residual_signal(
     if residual == "belief":
         return delta
     return torch.cat((delta, per_head_orthogonal_residual(h, v_heads, fused).flatten(-2)), -1)
+
+
+# Decoding with a cache. Each step feeds n new tokens per row (the prompt, then one at a
+# time). Keys and values are kept as the slots the heads attend to, per Attention-SH scale
+# s (s = 1 for every head of the other variants: a slot is then one token): slot b
+# averages positions b*s-s+1 .. b*s (causal_pool) and is summed as its tokens arrive, so
+# the last slot may be partial; query i sees slot b once it is complete (b*s <= i).
+# Attention-BN's μ_i is the mean of the slots query i sees, taken from the cache: it needs
+# no state of its own. belief, belief_star and AttentionX project per token, on the
+# current token's V alone. A row's positions count its real tokens only: padding
+# (`valid` False) takes no slot and is seen by no query, so a left-padded row of a batch
+# computes what it computes alone.
+
+
+def rotary_angles(positions: Tensor, dim: int, base: float) -> Tensor:
+    """RoPE angles [*positions.shape, dim] in the non-interleaved layout (megatron's: the
+    same frequencies for both halves of a head)."""
+    inv_freq = 1.0 / base ** (
+        torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim
+    )
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    return torch.cat((angles, angles), dim=-1)
+
+
+class DecodeStep(NamedTuple):
+    """Where a decoding step's new tokens sit: the same for every layer."""
+
+    positions: Tensor
+    """[b, n] each token's position among its row's real tokens (padding: clamped to 0)."""
+    valid: Tensor
+    """[b, n] False for padding."""
+    last: int
+    """The largest position: slots 0 .. last // s are complete for some row."""
+    fresh: bool
+    """Nothing was cached before and nothing is padding: the whole sequence is here."""
+
+
+class LayerCache:
+    """One attention layer's slots: per scale s, keys and values [b, groups, slots, d]
+    holding the sums of k / (tokens in the slot), in the accumulation dtype for s > 1."""
+
+    def __init__(self, scales: Sequence[int]):
+        self.slots: dict[int, list[Tensor | None]] = {s: [None, None] for s in scales}
+
+    def append(self, k: Tensor, v: Tensor, step: DecodeStep) -> None:
+        """Add keys and values [b, groups, n, d] of the step's tokens to their slots."""
+        valid = step.valid[:, None, :, None]
+        for scale, held in self.slots.items():
+            index = (step.positions + scale - 1) // scale  # ceil(p / s): p's slot
+            size = torch.where(index == 0, 1, scale)[:, None, :, None]
+            for i, x in enumerate((k, v)):
+                part = torch.where(valid, (x if scale == 1 else _wide(x)) / size, 0)
+                held[i] = _add_to_slots(held[i], part, index, -(-step.last // scale) + 1)
+
+
+def _add_to_slots(slots: Tensor | None, values: Tensor, index: Tensor, needed: int) -> Tensor:
+    """slots[:, :, index[b, j]] += values[:, :, j] for every row b, after growing the slot
+    dimension (by doubling, so a long generation copies it only log(n) times)."""
+    have = 0 if slots is None else slots.shape[2]
+    if have < needed:
+        b, groups, _, d = values.shape
+        grown = values.new_zeros(b, groups, max(needed, 2 * have), d)
+        if slots is not None:
+            grown[:, :, :have] = slots
+        slots = grown
+    return slots.scatter_add_(2, index[:, None, :, None].expand_as(values), values)
+
+
+def cached_heads(
+    q: Tensor,
+    cache: LayerCache,
+    step: DecodeStep,
+    mixing: str,
+    beta: float,
+    head_scales: Sequence[int],
+    softmax_scale: float | None,
+) -> Tensor:
+    """H for the step's queries [b, heads, n, d] over the cached slots (see above)."""
+    heads = q.shape[1]
+    scales = head_scales if mixing in ("sh", "bn_sh") else [1] * heads
+    out = torch.empty_like(q)
+    for scale, (k, v) in cache.slots.items():
+        idx = [i for i, s in enumerate(scales) if s == scale]
+        used = step.last // scale + 1
+        k, v = k[:, :, :used].to(q.dtype), v[:, :, :used].to(q.dtype)
+        slot_ends = torch.arange(used, device=q.device) * scale
+        visible = slot_ends <= step.positions.unsqueeze(-1)  # [b, n, slots]
+        if len(idx) < heads:  # only some heads have this scale: give each its own copy
+            k, v = heads_from_groups(k, heads)[:, idx], heads_from_groups(v, heads)[:, idx]
+        q_s = q[:, idx]
+        if mixing in ("bn", "bn_sh"):
+            weights = visible / visible.sum(-1, keepdim=True)  # μ: the mean of visible slots
+            mean = (weights.unsqueeze(1).to(_wide(k).dtype) @ _wide(k)).to(q.dtype)
+            q_s = recentred_queries(q_s, heads_from_groups(mean, q_s.shape[1]), beta)
+        out[:, idx] = F.scaled_dot_product_attention(
+            q_s, k, v, attn_mask=visible.unsqueeze(1), scale=softmax_scale, enable_gqa=True
+        )
+    return out
+
+
+class DecodeCache:
+    """What a whole model keeps between decoding steps: one LayerCache per layer, and how
+    many tokens each row has fed (real ones: its next position; all: `columns`)."""
+
+    def __init__(self, num_layers: int, mixing: str, head_scales: Sequence[int]):
+        scales = sorted(set(head_scales)) if mixing in ("sh", "bn_sh") else [1]
+        self.layers = [LayerCache(scales) for _ in range(num_layers)]
+        self.seen: Tensor | None = None
+        """[b] real tokens fed so far, per row."""
+        self.columns = 0
+        """Tokens fed so far per row, padding included."""
+
+    def step(self, valid: Tensor) -> DecodeStep:
+        """The positions of the next tokens, `valid` [b, n] (False: padding), which are
+        then counted as fed."""
+        counted = valid.long().cumsum(-1)
+        if self.seen is not None:
+            counted = counted + self.seen.unsqueeze(-1)
+        positions = (counted - 1).clamp_min(0)
+        # host syncs, once per step for all layers: how many slots are in use; whether
+        # the full-sequence path applies
+        fresh = self.seen is None and bool(valid.all())
+        self.seen, self.columns = counted[:, -1], self.columns + valid.shape[1]
+        return DecodeStep(positions, valid, int(positions.max()), fresh)

@@ -11,9 +11,12 @@
         through); slurm: render slurm/pretrain.sbatch and sbatch it
     belief-lm generate --checkpoint STEP_DIR --prompt TEXT [--max-new-tokens N]
                        [--temperature T (0: greedy)] [--top-k K] [--top-p P] [--seed S]
+                       [--no-cache]
     belief-lm export --checkpoint STEP_DIR --format hf|torch --output PATH
     belief-lm report RUN_DIR [RUN_DIR ...] [--out PNG]
         plot a run's metrics (RUN_DIR/report.png) or overlay several (--out), and summarise
+    belief-lm import-hf DIR --config RUN.yaml [section.key=value ...]
+        a Hugging Face Llama folder as the run's weights-only step 0 (train starts from it)
 
 Exit codes (belief_lm/exit_codes.py): 0 done; 1 failed while running; 2 bad command line,
 config, data or checkpoint (nothing was run); 3 the loss spiked train.spike.max_in_row
@@ -101,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
     sub.add_argument("--out", help="the PNG to write (default RUN_DIR/report.png; needed "
                      "for several runs)")  # fmt: skip
+    help_text = "a Hugging Face Llama checkpoint as a run's step-0 checkpoint (weights only)"
+    sub = commands.add_parser("import-hf", help=help_text, description=help_text)
+    sub.add_argument("dir", metavar="DIR", help="folder with config.json and *.safetensors")
+    _config_arguments(sub)
     return parser
 
 
@@ -114,6 +121,9 @@ def _generate_arguments(commands) -> None:
     sub.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     sub.add_argument("--top-p", type=float, help="sample among the most likely tokens up to p")
     sub.add_argument("--seed", type=int, default=0, help="same seed, same text")
+    sub.add_argument(
+        "--no-cache", action="store_true", help="rerun the model over the context at every step"
+    )
     sub.add_argument(
         "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda if present"
     )
@@ -173,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(args, cfg)
         if args.command == "train":
             return _train(cfg)
+        if args.command == "import-hf":
+            from belief_lm.hf_import import import_hf  # heavy imports after the argument checks
+
+            print(import_hf(args.dir, cfg))
+            return exit_codes.DONE
         from belief_lm import data_commands  # heavy imports after the argument checks
 
         if args.command == "tokenizer":
@@ -203,7 +218,9 @@ def _from_checkpoint(args: argparse.Namespace) -> int:
         if args.max_new_tokens < 0:  # before the checkpoint is loaded
             raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
         loaded = load_model(args.checkpoint, args.device)
-        completion = loaded.complete(args.prompt, args.max_new_tokens, sampling, args.seed)
+        completion = loaded.complete(
+            args.prompt, args.max_new_tokens, sampling, args.seed, use_cache=not args.no_cache
+        )
     except ValueError as err:
         print(f"belief-lm: {err}", file=sys.stderr)
         return exit_codes.BAD_INPUT

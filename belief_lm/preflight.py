@@ -194,6 +194,8 @@ def plan_resume(cfg: Config, dims: ParallelDims) -> ResumePlan | None:
         path = Path(choice).expanduser()
     info = read_info(path)
     check_same_run(cfg, path)
+    if info.weights_only:  # weights alone (an import): any layout loads them, nothing else
+        return ResumePlan(path, info, other_layout=False)
     zero = cfg.parallel.zero_stage
     moved = (info.tensor, info.pipeline, info.zero_stage) != (dims.tensor, dims.pipeline, zero)
     # ZeRO 1-3 partition the optimizer (and more) over the data-parallel ranks

@@ -71,11 +71,10 @@ def make_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
     from belief_lm.checkpoint.files import CheckpointInfo
     from belief_lm.config import Config
     from belief_lm.model.gpt import BeliefLM
+    from tests.models import SMALL
 
     def make(seed: int = 0, **model):
-        small = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
-        small |= {"ffn_hidden_size": 48, "seq_length": 16, "init_std": 0.3}
-        cfg = Config.model_validate({"model": small | model, "run": {"seed": seed}})
+        cfg = Config.model_validate({"model": SMALL | model, "run": {"seed": seed}})
         step = tmp_path_factory.mktemp("run") / "checkpoints" / "step_000001"
         step.mkdir(parents=True)
         lm = BeliefLM(cfg.model, SMALL_EMBEDDING_ROWS, seed=seed)

@@ -165,3 +165,57 @@ def test_fused_path_equals_the_plain_path_forward_and_backward():
         for plain, compiled in zip(outputs[False], outputs[True], strict=True):
             assert compiled.dtype == plain.dtype
             torch.testing.assert_close(compiled.float(), plain.float(), rtol=tol, atol=tol)
+
+
+def decode(q, k, v, mixing, chunks, valid=None, **options):
+    """attention_heads fed through a DecodeCache `chunks` tokens at a time (`valid` [b, s]
+    False marks padding), its outputs joined along the sequence."""
+    cache = fam.DecodeCache(1, mixing, options.get("head_scales", ()))
+    valid = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool) if valid is None else valid
+    outputs, start = [], 0
+    for n in chunks:
+        part = slice(start, start + n)
+        step = cache.step(valid[:, part])
+        outputs.append(fam.attention_heads(
+            q[:, :, part], k[:, :, part], v[:, :, part], mixing, **options,
+            cache=cache.layers[0], step=step,
+        ))  # fmt: skip
+        start += n
+    return torch.cat(outputs, dim=2)
+
+
+MIXINGS = {"softmax": {}, "bn": {"beta": 0.7}, "sh": {}, "bn_sh": {"beta": 0.7}}
+SCALES = [1, 2, 3, 4, 1, 4, 3, 2]  # 8 heads over 4 KV groups: groups mix scales
+
+
+@pytest.mark.parametrize("mixing", list(MIXINGS))
+@pytest.mark.parametrize(
+    "chunks", [[1] * 23, [5, 1, 7, 10], [3] * 7 + [2]], ids=["one-by-one", "uneven", "threes"]
+)
+def test_cached_heads_equal_the_full_sequence(mixing, chunks):
+    """Every query's H from the cache (slots completed and partial, Attention-BN's mean over
+    visible slots) equals the full-sequence math, whatever the chunking."""
+    q, k, v = rand(2, 8, 23, 8, seed=40), rand(2, 4, 23, 8, seed=41), rand(2, 4, 23, 8, seed=42)
+    options = {"head_scales": SCALES, **MIXINGS[mixing]}
+    full = fam.attention_heads(q, k, v, mixing, **options)
+    torch.testing.assert_close(decode(q, k, v, mixing, chunks, **options), full)
+
+
+@pytest.mark.parametrize("mixing", list(MIXINGS))
+def test_a_left_padded_row_computes_what_it_computes_alone(mixing):
+    """Padding takes no position and no slot: each row of a left-padded batch equals that
+    row alone, in the prompt and in the steps after it."""
+    options = {"head_scales": SCALES, **MIXINGS[mixing]}
+    lengths, width = [15, 9], 15
+    rows = [[rand(1, h, n, 8, seed=50 + 3 * r + i) for i, h in enumerate((8, 4, 4))]
+            for r, n in enumerate(lengths)]  # fmt: skip
+    padded = [
+        torch.cat([torch.cat((rand(1, x.shape[1], width - x.shape[2], 8, seed=60), x), 2)
+                   for x in (row[i] for row in rows)])
+        for i in range(3)
+    ]  # fmt: skip
+    valid = torch.arange(width) >= width - torch.tensor(lengths).unsqueeze(1)
+    together = decode(*padded, mixing, [10, 1, 1, 3], valid, **options)
+    for r, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+        alone = fam.attention_heads(*row, mixing, **options)
+        torch.testing.assert_close(together[r : r + 1, :, width - n :], alone)

@@ -22,6 +22,7 @@ import re
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,17 +61,24 @@ class Consolidated:
         return model.eval()
 
 
-def load_full_state(model: BeliefLM, state: dict[str, torch.Tensor]) -> None:
+def load_full_state(
+    model: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    rename: Callable[[str], str] | None = None,
+) -> None:
     """Copy whole tensors into `model` (sharded to this rank's slice under tensor
-    parallelism); every parameter must be present with the right full shape."""
+    parallelism); every parameter must be present with the right full shape. `rename`
+    maps the model's parameter names to the keys of `state` (a pipeline stage's names to
+    BeliefLM's: belief_lm.model.pipeline.canonical_name)."""
     from belief_lm.parallel.gather import shard_tensor_parallel
 
-    missing = [n for n, _ in model.named_parameters() if n not in state]
+    keys = {name: rename(name) if rename else name for name, _ in model.named_parameters()}
+    missing = [key for key in keys.values() if key not in state]
     if missing:
         raise CheckpointError(f"the checkpoint has no weights for {', '.join(missing[:5])}")
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(shard_tensor_parallel(state[name].to(param.dtype), param))
+            param.copy_(shard_tensor_parallel(state[keys[name]].to(param.dtype), param))
 
 
 def consolidate(path: str | Path) -> Consolidated:

@@ -8,6 +8,10 @@
                                                    (made when it is loaded on another layout)
                          /latest            name of the newest complete checkpoint
 
+A weights-only checkpoint (`belief-lm import-hf` writes one at step 0) has the model file of
+a one-process ZeRO-0 run and no optimizer, RNG or data state: a run starts from its
+weights, at any layout, with a fresh optimizer (run.json: "weights_only": true).
+
 Writing is `store.py`'s; this module is what pre-flight checks and tools need to find and
 judge a checkpoint before anything heavy is imported.
 """
@@ -34,6 +38,8 @@ class CheckpointInfo:
     zero_stage: int
     vocab_size: int
     complete: bool = True
+    weights_only: bool = False
+    """Only the model's weights (no optimizer, RNG or data state): an imported model."""
 
 
 class CheckpointError(ValueError):

@@ -71,20 +71,41 @@ def save(
     torch.save(rank_state, tmp / "run_state" / f"rank{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
-        for name, content in extra_files.items():
-            (tmp / name).write_bytes(content)
-        _write_atomic(tmp / "run.json", json.dumps(asdict(info), indent=2))
-        if final.exists():  # re-saving a step (e.g. resumed and stopped at once)
-            shutil.rmtree(final)
-        # a universal copy converted from the old weights of this step would be reused
-        shutil.rmtree(universal_path(final), ignore_errors=True)
-        os.replace(tmp, final)
-        _write_atomic(root / "latest", final.name)
+        _publish(tmp, final, info, extra_files)
         for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(universal_path(old), ignore_errors=True)
     dist.barrier()
     return final
+
+
+def save_weights(
+    root: Path, info: CheckpointInfo, weights: dict[str, torch.Tensor], extra_files: dict
+) -> Path:
+    """Write a weights-only checkpoint (files.py) from one process, without an engine:
+    `weights` (whole tensors under BeliefLM's names) in DeepSpeed's model file of a
+    one-process run, atomically as `save` writes. Returns its path."""
+    final = root / step_name(info.step)
+    tmp = root / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save({"module": weights}, tmp / "mp_rank_00_model_states.pt")
+    _publish(tmp, final, info, extra_files)
+    return final
+
+
+def _publish(tmp: Path, final: Path, info: CheckpointInfo, extra_files: dict[str, bytes]) -> None:
+    """Complete checkpoint `tmp` (its extra files, then run.json), rename it to `final` and
+    point `latest` at it."""
+    for name, content in extra_files.items():
+        (tmp / name).write_bytes(content)
+    _write_atomic(tmp / "run.json", json.dumps(asdict(info), indent=2))
+    if final.exists():  # re-saving a step (e.g. resumed and stopped at once)
+        shutil.rmtree(final)
+    # a universal copy converted from the old weights of this step would be reused
+    shutil.rmtree(universal_path(final), ignore_errors=True)
+    os.replace(tmp, final)
+    _write_atomic(final.parent / "latest", final.name)
 
 
 def _write_atomic(path: Path, text: str) -> None:

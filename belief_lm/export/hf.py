@@ -1,7 +1,7 @@
 """Export a checkpoint as a Hugging Face transformers model folder.
 
     OUT/config.json                 BeliefLMConfig, with auto_map to the shipped code
-    OUT/generation_config.json      EOS/BOS/PAD ids; no KV cache
+    OUT/generation_config.json      EOS/BOS/PAD ids; use_cache (decoding with a cache)
     OUT/model.safetensors           fp32 weights under transformers-style names
     OUT/configuration_belief_lm.py  \
     OUT/modeling_belief_lm.py        > the model in plain PyTorch (hf_template/)
@@ -12,7 +12,8 @@
 Loads with AutoModelForCausalLM / AutoTokenizer .from_pretrained(OUT, trust_remote_code=True)
 and needs neither belief-lm nor megatron. Weights are renamed and split from megatron's
 layout: the fused QKV is grouped per KV group as [q heads of the group..., k, v], and a
-SwiGLU fc1 holds [gate; up].
+SwiGLU fc1 holds [gate; up]. The names are Llama's (transformers' LlamaForCausalLM), so
+`from_hf_state_dict`, the way back, also reads a Llama checkpoint (belief_lm/hf_import.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -84,7 +86,7 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer: Tokenizer) -> dict
         "beta": model.beta,
         "head_scales": model.head_scales,
         "tie_word_embeddings": model.tie_embeddings,
-        "use_cache": False,
+        "use_cache": True,
         "torch_dtype": "float32",
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": tokenizer.eos_id,
@@ -100,6 +102,13 @@ def split_qkv(fused: Tensor, heads: int, groups: int) -> tuple[Tensor, Tensor, T
     grouped = fused.reshape(groups, (per_group + 2) * head_dim, *fused.shape[1:])
     q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
     return tuple(x.reshape(-1, *fused.shape[1:]) for x in (q, k, v))
+
+
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, heads: int, groups: int) -> Tensor:
+    """megatron's fused QKV weight or bias from separate q, k, v rows (split_qkv's inverse)."""
+    rest = q.shape[1:]
+    grouped = [x.reshape(groups, -1, *rest) for x in (q, k, v)]
+    return torch.cat(grouped, dim=1).reshape(-1, *rest)
 
 
 def hf_state_dict(state: dict[str, Tensor], model: ModelConfig) -> dict[str, Tensor]:
@@ -124,9 +133,46 @@ def hf_state_dict(state: dict[str, Tensor], model: ModelConfig) -> dict[str, Ten
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
+def from_hf_state_dict(state: dict[str, Tensor], model: ModelConfig) -> dict[str, Tensor]:
+    """Tensors under transformers' names (ours, or a Llama's) under BeliefLM's, q/k/v fused
+    and a SwiGLU's gate and up joined (hf_state_dict's inverse). ValueError naming a tensor
+    that has no place in BeliefLM."""
+    heads, groups = model.num_attention_heads, model.query_groups
+    top, in_layer = _inverse(TOP_LEVEL), _inverse(IN_LAYER)
+    if model.activation == "swiglu":
+        del in_layer["mlp.up_proj"]  # joined with gate_proj into fc1 below
+    out: dict[str, Tensor] = {}
+    joined: dict[str, dict[str, Tensor]] = {}  # fused BeliefLM name -> its parts
+    for name, tensor in state.items():
+        module, leaf = name.rsplit(".", 1)
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
+        if layer is None:
+            out[f"{_rename(top, module, name)}.{leaf}"] = tensor
+            continue
+        prefix, module = f"layers.{layer[1]}.", layer[2]
+        if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            joined.setdefault(f"{prefix}self_attention.linear_qkv.{leaf}", {})[module[-6]] = tensor
+        elif module in ("mlp.gate_proj", "mlp.up_proj") and model.activation == "swiglu":
+            joined.setdefault(f"{prefix}mlp.linear_fc1.{leaf}", {})[module[4:-5]] = tensor
+        else:
+            out[f"{prefix}{_rename(in_layer, module, name)}.{leaf}"] = tensor
+    for name, parts in joined.items():
+        if name.endswith(("linear_qkv.weight", "linear_qkv.bias")) and len(parts) == 3:
+            out[name] = fuse_qkv(parts["q"], parts["k"], parts["v"], heads, groups)
+        elif set(parts) == {"gate", "up"}:
+            out[name] = torch.cat((parts["gate"], parts["up"]))
+        else:
+            raise ValueError(f"{name} is incomplete: only {', '.join(sorted(parts))} given")
+    return out
+
+
+def _inverse(table: dict[str, str]) -> dict[str, str]:
+    return {theirs: ours for ours, theirs in table.items()}
+
+
 def _rename(table: dict[str, str], module: str, name: str) -> str:
     if module not in table:
-        raise ValueError(f"no Hugging Face name for checkpoint tensor {name}")
+        raise ValueError(f"no counterpart for tensor {name}")
     return table[module]
 
 
@@ -138,7 +184,7 @@ def export_hf(checkpoint: Consolidated, output: Path) -> None:
     # the embedding is padded past the tokenizer's vocabulary: never generate those ids
     padding = list(range(tokenizer.vocab_size, checkpoint.info.vocab_size))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    generation["use_cache"] = False
+    generation["use_cache"] = True
     if padding:
         generation["suppress_tokens"] = padding
     _write_json(output / "generation_config.json", generation)

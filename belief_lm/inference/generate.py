@@ -1,10 +1,11 @@
 """Text generation with our own model: next-token sampling and the decoding loop.
 
 Sampling follows the usual order: temperature, then top-k, then top-p (nucleus), then a
-draw; temperature 0 is greedy decoding (argmax). There is no KV cache: every step runs the
-model over the whole (cropped) context, which is exact for every attention variant
-(Attention-BN's running key mean and Attention-SH's pooled slots would need their own
-caches) and fast enough for the small models this runs on.
+draw; temperature 0 is greedy decoding (argmax). BeliefLM decodes with a cache (every
+attention variant's: belief_lm.attention.DecodeCache): the prompt is run once, then each
+step feeds only the new token. Past the context length (model.seq_length) every step reruns
+the model over the cropped context instead, as without the cache: the crop moves every
+position by one each step, so nothing cached stays valid.
 """
 
 from __future__ import annotations
@@ -75,24 +76,31 @@ def generate(
     eos_id: int | None = None,
     seed: int = 0,
     stop: Callable[[list[int]], bool] | None = None,
+    use_cache: bool = True,
 ) -> list[int]:
     """Continue `prompt` (token ids) with at most `max_new_tokens` ids, stopping before EOS
     or once `stop(new ids so far)` is true (e.g. a stop string was decoded).
 
     `model` maps tokens [batch, seq] to logits [seq, batch, vocab'] (BeliefLM); it sees
-    at most the last `context_length` tokens. Logits past `vocab_size` (the tokenizer's
-    vocabulary; the embedding is padded beyond it) are never chosen. The same seed gives
-    the same tokens.
+    at most the last `context_length` tokens. With `use_cache` and a model that has
+    `decode_cache()` (BeliefLM), it decodes with that cache while the sequence fits in the
+    context. Logits past `vocab_size` (the tokenizer's vocabulary; the embedding is padded
+    beyond it) are never chosen. The same seed gives the same tokens.
     """
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
     ids = list(prompt)
+    cache = model.decode_cache() if use_cache and hasattr(model, "decode_cache") else None
+    cached = 0  # how many of `ids` the cache holds
     for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-context_length:]], device=device)
-        logits = model(context)[-1, :, :vocab_size]
-        token = int(next_token(logits, sampling, generator))  # host sync: one id per step
+        if cache is not None and len(ids) <= context_length:
+            logits = model(torch.tensor([ids[cached:]], device=device), cache=cache)
+            cached = len(ids)
+        else:  # the whole (cropped) context
+            logits = model(torch.tensor([ids[-context_length:]], device=device))
+        token = int(next_token(logits[-1, :, :vocab_size], sampling, generator))  # host sync
         if token == eos_id:
             break
         ids.append(token)

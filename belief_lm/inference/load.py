@@ -39,9 +39,15 @@ class LoadedModel:
         return self.checkpoint.config.model.seq_length
 
     def complete(
-        self, prompt: str, max_new_tokens: int, sampling: Sampling, seed: int = 0
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int = 0,
+        use_cache: bool = True,
     ) -> Completion:
-        """Continue the text `prompt` by at most `max_new_tokens` tokens (stopping at EOS)."""
+        """Continue the text `prompt` by at most `max_new_tokens` tokens (stopping at EOS);
+        `use_cache=False` reruns the model over the whole context at every step."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         ids = self.tokenizer.encode(prompt)
@@ -51,6 +57,7 @@ class LoadedModel:
         new = generate(
             self.model, ids, max_new_tokens, sampling, context_length=self.context_length,
             vocab_size=self.tokenizer.vocab_size, eos_id=self.tokenizer.eos_id, seed=seed,
+            use_cache=use_cache,
         )  # fmt: skip
         seconds = time.perf_counter() - start
         text = self.tokenizer.decode(ids + new)

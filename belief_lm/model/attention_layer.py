@@ -38,10 +38,13 @@ class FamilyCoreAttention(MegatronModule):
     Inputs are megatron's [seq, batch, heads, head_dim] (query: this rank's heads; key/value:
     its KV groups). Returns [seq, batch, heads * head_dim], or twice that for belief_star.
     Attention is always causal over the whole packed window; masks are not supported.
-    Setting `capture` to a dict makes the next forward store MH and V (for diagnostics).
+    Setting `capture` to a dict makes the next forward store MH and V (for diagnostics);
+    `decoding` (this layer's cache and the step, set by DecoderLayer for one call) makes
+    it attend to the cached tokens too.
     """
 
     capture: dict | None = None
+    decoding: tuple[family.LayerCache, family.DecodeStep] | None = None
 
     def __init__(
         self,
@@ -89,15 +92,12 @@ class FamilyCoreAttention(MegatronModule):
                 "FamilyCoreAttention is causal-only: masks/bias/packed seqs unsupported"
             )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        cache, step = self.decoding or (None, None)
         h = family.attention_heads(
-            q,
-            k,
-            v,
-            self.mixing,
-            beta=self.beta,
-            head_scales=self.local_head_scales,
-            softmax_scale=self.softmax_scale,
-        ).permute(2, 0, 1, 3)  # [s, b, heads, d]
+            q, k, v, self.mixing, beta=self.beta, head_scales=self.local_head_scales,
+            softmax_scale=self.softmax_scale, cache=cache, step=step,
+        )  # fmt: skip
+        h = h.permute(2, 0, 1, 3)  # [s, b, heads, d]
         v_heads = family.heads_from_groups(value, query.shape[2], dim=2)  # V_m of each head
         if self.capture is not None:
             self.capture.update(mh=h.flatten(2).detach(), v=v_heads.flatten(2).detach())

@@ -10,6 +10,10 @@ parallelism does not change them either.
 
 Layout convention (megatron's): activations are [seq, batch, hidden]; tokens and labels
 are [batch, seq].
+
+Decoding: `BeliefLM.forward(tokens, cache=model.decode_cache())` feeds tokens that continue
+what the cache holds (positions go on from there) and returns their logits; the cache's
+math is `belief_lm.attention`'s (`DecodeCache`), as in the Hugging Face export.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
+from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, rotary_angles
 from belief_lm.config import ModelConfig
 from belief_lm.model.attention_layer import BeliefStarProjection, core_attention_spec
 from belief_lm.runtime import derived_seed
+from belief_lm.variants import VARIANTS
 
 
 def transformer_config(cfg: ModelConfig, tensor_parallel: int = 1) -> TransformerConfig:
@@ -97,14 +103,12 @@ def seeded_init(seed: int):
 
 @functools.lru_cache(maxsize=16)
 def rotary_frequencies(seq_len: int, dim: int, base: float, device: torch.device) -> Tensor:
-    """RoPE angles in megatron's layout [seq, 1, 1, dim] (non-interleaved halves).
+    """RoPE angles of positions 0 .. seq_len-1 in megatron's layout [seq, 1, 1, dim].
 
-    Our own few lines because megatron's RotaryEmbedding moves its table to CUDA
-    unconditionally; megatron's apply_rotary_pos_emb still applies them.
+    Our own (attention.rotary_angles) because megatron's RotaryEmbedding moves its table to
+    CUDA unconditionally; megatron's apply_rotary_pos_emb still applies them.
     """
-    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-    return torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    return rotary_angles(torch.arange(seq_len, device=device), dim, base)[:, None, None, :]
 
 
 class TokenEmbedding(LanguageModelEmbedding):
@@ -119,9 +123,11 @@ class TokenEmbedding(LanguageModelEmbedding):
                 position_embedding_type=model.position_embedding,
             )
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        return super().forward(tokens, positions.expand_as(tokens))
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """`positions` [batch, seq]: where the tokens sit (default 0 .. seq-1)."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return super().forward(tokens, positions)
 
 
 class DecoderLayer(TransformerLayer):
@@ -129,7 +135,8 @@ class DecoderLayer(TransformerLayer):
 
     Takes and returns only the hidden states, so it is also a pipeline stage; RoPE angles
     are computed (and cached) here rather than passed between stages. With `recompute`
-    set, its activations are recomputed in backward instead of stored.
+    set, its activations are recomputed in backward instead of stored. `decoding` (this
+    layer's cache and the step) makes it continue a cached sequence.
     """
 
     recompute = False
@@ -143,23 +150,32 @@ class DecoderLayer(TransformerLayer):
             )
         self.rope_base = model.rotary_base if model.position_embedding == "rope" else None
 
-    def forward(self, hidden_states: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self, hidden_states: Tensor, decoding: tuple[LayerCache, DecodeStep] | None = None
+    ) -> Tensor:
         if self.recompute and self.training and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(
                 self._forward, hidden_states, use_reentrant=False
             )
-        return self._forward(hidden_states)
+        return self._forward(hidden_states, decoding)
 
-    def _forward(self, hidden_states: Tensor) -> Tensor:
-        rope = None
-        if self.rope_base is not None:
-            rope = rotary_frequencies(
-                hidden_states.shape[0],
-                self.config.kv_channels,
-                self.rope_base,
-                hidden_states.device,
-            )
-        output, _ = super().forward(hidden_states, attention_mask=None, rotary_pos_emb=rope)
+    def _forward(
+        self, hidden_states: Tensor, decoding: tuple[LayerCache, DecodeStep] | None = None
+    ) -> Tensor:
+        rope, dim = None, self.config.kv_channels
+        if self.rope_base is not None and decoding is None:
+            rope = rotary_frequencies(hidden_states.shape[0], dim, self.rope_base,
+                                      hidden_states.device)  # fmt: skip
+        elif self.rope_base is not None:  # each row's own positions: [seq, batch, 1, dim]
+            rope = rotary_angles(decoding[1].positions.t(), dim, self.rope_base).unsqueeze(2)
+        # megatron's SelfAttention has no way to hand the core attention a cache of ours:
+        # the core attention holds it for this one call
+        core = self.self_attention.core_attention
+        core.decoding = decoding
+        try:
+            output, _ = super().forward(hidden_states, attention_mask=None, rotary_pos_emb=rope)
+        finally:
+            core.decoding = None
         return output
 
 
@@ -235,14 +251,29 @@ class BeliefLM(MegatronModule):
             config, vocab_size, model.tie_embeddings, stage_seed(seed, model.num_layers + 1)
         )
 
-    def forward(self, tokens: Tensor, labels: Tensor | None = None) -> Tensor:
-        """Logits [seq, batch, vocab / TP], or the mean loss when labels are given."""
-        hidden = self.embedding(tokens)
-        for layer in self.layers:
-            hidden = layer(hidden)
+    def forward(
+        self, tokens: Tensor, labels: Tensor | None = None, cache: DecodeCache | None = None
+    ) -> Tensor:
+        """Logits [seq, batch, vocab / TP], or the mean loss when labels are given. With a
+        `cache` (from `decode_cache`), `tokens` continue what it holds, and are added to it."""
+        if cache is None:
+            hidden = self.embedding(tokens)
+            for layer in self.layers:
+                hidden = layer(hidden)
+        else:
+            step = cache.step(torch.ones_like(tokens, dtype=torch.bool))
+            hidden = self.embedding(tokens, step.positions)
+            for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+                hidden = layer(hidden, (layer_cache, step))
         tied = self.embedding.word_embeddings.weight if self.model_config.tie_embeddings else None
         logits = self.output_layer(self.final_norm(hidden), tied)
         return logits if labels is None else lm_loss(logits, labels)
+
+    def decode_cache(self) -> DecodeCache:
+        """An empty cache for decoding with `forward(tokens, cache=...)`."""
+        model = self.model_config
+        mixing = VARIANTS[model.attention][0]
+        return DecodeCache(model.num_layers, mixing, model.head_scales)
 
 
 def padded_vocab_size(tokenizer_vocab: int, model: ModelConfig, tensor_parallel: int) -> int:

@@ -7,7 +7,8 @@ any layout), the step and tokens consumed, the effective config and the tokenize
 same layout the continuation is bit-exact. On another layout the checkpoint goes through
 DeepSpeed's universal format (belief_lm/checkpoint/universal.py); which checkpoint to
 resume from, and whether it can continue on this layout, is decided before any work by
-`belief_lm.preflight.plan_resume`.
+`belief_lm.preflight.plan_resume`. A weights-only checkpoint (an import) gives only the
+model's weights: the run starts at its step with a fresh optimizer and data stream.
 """
 
 from __future__ import annotations
@@ -53,6 +54,17 @@ def data_state(data) -> dict:
     states = [None] * ps.get_data_parallel_world_size()
     dist.all_gather_object(states, data.state_dict(), group=ps.get_data_parallel_group())
     return merge_states(states)
+
+
+def weights_only(plan: ResumePlan | None) -> dict[str, torch.Tensor] | None:
+    """The whole weights of a weights-only checkpoint to start from (loaded into the model
+    before its engine is built, so any layout takes them), or None for any other plan."""
+    if plan is None or not plan.info.weights_only:
+        return None
+    from belief_lm.checkpoint.consolidate import consolidate
+
+    log.info("starting from the weights of %s (fresh optimizer and data stream)", plan.path)
+    return consolidate(plan.path).state_dict
 
 
 def restore(plan: ResumePlan, cfg: Config, engine, layout: Layout) -> int:

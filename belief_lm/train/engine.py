@@ -107,13 +107,19 @@ class Trainee:
 
 
 def build_engine(
-    cfg: Config, layout: Layout, vocab_size: int, device: torch.device, load_universal: bool = False
+    cfg: Config,
+    layout: Layout,
+    vocab_size: int,
+    device: torch.device,
+    load_universal: bool = False,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Trainee:
     """Build this rank's model (or pipeline stage) and wrap it in DeepSpeed's engine.
-    `load_universal`: the checkpoint to resume from is in DeepSpeed's universal format."""
+    `load_universal`: the checkpoint to resume from is in DeepSpeed's universal format;
+    `weights`: whole tensors (BeliefLM's names) to start from instead of the seeded init."""
     import deepspeed  # imported after select_device set the accelerator
 
-    from belief_lm.model.pipeline import build_pipeline
+    from belief_lm.model.pipeline import build_pipeline, canonical_name
 
     topology = deepspeed_topology(layout)
     assert_same_layout(topology)
@@ -122,6 +128,11 @@ def build_engine(
         model = build_pipeline(cfg.model, vocab_size, topology, layout.tensor, cfg.run.seed)
     else:
         model = BeliefLM(cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed)
+    if weights is not None:  # before DeepSpeed takes the weights (ZeRO partitions, bf16)
+        from belief_lm.checkpoint.consolidate import load_full_state
+
+        rename = (lambda name: canonical_name(name, cfg.model.num_layers)) if pipelined else None
+        load_full_state(model, weights, rename)
     model.to(device)
     if cfg.train.activation_checkpointing:
         for module in model.modules():

@@ -214,14 +214,15 @@ class Trainer:
                 f"this run {vocab_size}"
             )
         other_layout = resume is not None and resume.other_layout
-        trainee = build_engine(cfg, layout, vocab_size, device, other_layout)
+        weights = checkpointing.weights_only(resume)  # an imported model: its weights alone
+        trainee = build_engine(cfg, layout, vocab_size, device, other_layout, weights)
         data = build_train_data(
             cfg.data, tokenizer, cfg.model.seq_length, cfg.train.global_batch_size,
             cfg.train.micro_batch_size, layout.data_rank, layout.data, device,
             collective=data_collective(),
         )  # fmt: skip
-        start = 0
-        if resume is not None:
+        start = 0 if resume is None else resume.info.step
+        if resume is not None and weights is None:
             start = checkpointing.restore(resume, cfg, trainee.engine, layout)
             data.load_state_dict(checkpointing.load_data_state(resume))
         validation = []
@@ -232,7 +233,8 @@ class Trainer:
             )  # fmt: skip
         spikes = None
         if cfg.train.spike.threshold is not None:
-            saved = None if resume is None else checkpointing.load_rank_state(resume, 0)
+            restored = resume is not None and weights is None  # (imported weights: no history)
+            saved = checkpointing.load_rank_state(resume, 0) if restored else None
             spikes = SpikeDetector(cfg.train.spike, (saved or {}).get("spikes"))
 
         def open_sinks() -> MetricsLogger:  # on rank 0; a W&B failure stops every rank

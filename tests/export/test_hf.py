@@ -11,24 +11,8 @@ from belief_lm.export import export
 from belief_lm.inference.generate import Sampling, generate
 from belief_lm.inference.load import load_model
 from belief_lm.variants import VARIANTS
+from tests.models import ARCHITECTURES, LLAMA_LIKE, SMALL, VARIANTS_AND_ARCHITECTURES, tokens
 
-GPT2_LIKE = {
-    "normalization": "LayerNorm",
-    "activation": "gelu",
-    "position_embedding": "learned_absolute",
-    "tie_embeddings": True,
-    "bias": True,
-}
-LLAMA_LIKE = {
-    "normalization": "RMSNorm",
-    "activation": "swiglu",
-    "position_embedding": "rope",
-    "rotary_base": 500.0,
-    "num_query_groups": 2,
-    "tie_embeddings": False,
-    "bias": False,
-}
-ARCHITECTURES = {"gpt2": GPT2_LIKE, "llama": LLAMA_LIKE}
 TEXTS = ["The for statement", " two  spaces\n\ttab </s> <s> <pad>", "ünïcödé ✓ 𝔘 €42", ""]
 
 
@@ -47,10 +31,6 @@ def hf_export(checkpoint, tmp_path, name="hf"):
 def without_eos(generated: list[int]) -> list[int]:
     """transformers ends a sequence with the EOS it stopped at; ours stops before it."""
     return generated[:-1] if generated and generated[-1] == 2 else generated
-
-
-def tokens(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 400, (2, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -72,10 +52,9 @@ def test_variants_differ_far_beyond_the_tolerance(single_process_group, arch):
     from belief_lm.config import ModelConfig
     from belief_lm.model.gpt import BeliefLM
 
-    small = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 48, "seq_length": 16}
     logits = {}
     for variant in VARIANTS:
-        cfg = ModelConfig(**small, init_std=0.3, attention=variant, **ARCHITECTURES[arch])
+        cfg = ModelConfig(**SMALL, attention=variant, **ARCHITECTURES[arch])
         with torch.no_grad():
             logits[variant] = BeliefLM(cfg, 512, seed=3).eval()(tokens(16))
     for a in VARIANTS:
@@ -107,24 +86,62 @@ def test_tokenizer_matches_ours(make_checkpoint, small_tokenizer, tmp_path):
     assert len(hf) == small_tokenizer.vocab_size
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_transformers_greedy_generate_equals_ours(make_checkpoint, tmp_path, arch):
-    checkpoint = make_checkpoint(seed=5, attention="belief_star", **ARCHITECTURES[arch])
+def until_eos(ids: list[int]) -> list[int]:
+    """The ids before the first EOS: what our generator returns (it stops before EOS)."""
+    return ids[: ids.index(2)] if 2 in ids else ids
+
+
+def greedy(hf, prompts: list[list[int]], use_cache: bool, new: int = 12) -> list[list[int]]:
+    """transformers' greedy continuations of `prompts`, left-padded into one batch."""
+    width = max(map(len, prompts))
+    batch = torch.tensor([[3] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(
+        batch, attention_mask=mask, max_new_tokens=new, do_sample=False, use_cache=use_cache
+    )
+    return [until_eos(row) for row in out[:, width:].tolist()]
+
+
+@pytest.mark.parametrize(("variant", "arch"), VARIANTS_AND_ARCHITECTURES)
+def test_generate_with_the_cache_equals_without_it_and_ours(
+    make_checkpoint, tmp_path, variant, arch
+):
+    """Greedy continuations past the 16-token context: with the cache, without it, and by
+    our generator, alone and as rows of a left-padded batch of prompts of other lengths."""
+    checkpoint = make_checkpoint(seed=5, attention=variant, **ARCHITECTURES[arch])
     loaded = load_model(checkpoint, device="cpu")
     _, hf = hf_export(checkpoint, tmp_path)
-    prompt = loaded.tokenizer.encode("The with statement is used")  # 10+ of 16 positions
-    ours = generate(
-        loaded.model, prompt, 12, Sampling(temperature=0), context_length=16,
-        vocab_size=loaded.tokenizer.vocab_size, eos_id=2,
-    )  # fmt: skip
-    prompt_ids = torch.tensor([prompt])
-    theirs = hf.generate(
-        prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=12, do_sample=False
+    fed = []  # (tokens, whether a cache held earlier ones) of every forward
+    hf.model.register_forward_pre_hook(
+        lambda module, args: fed.append(
+            (args[0].shape[1], args[1] is not None and args[1].columns > 0)
+        )
     )
-    assert ours == without_eos(theirs[0, len(prompt) :].tolist())
-    assert len(set(ours)) > 2, ours  # a real sequence, not one token repeated
-    with pytest.raises(ValueError, match="padding is unsupported"):
-        hf(prompt_ids, attention_mask=torch.zeros_like(prompt_ids))
+    prompts = [tokens(10, seed=1, rows=1)[0].tolist(), tokens(5, seed=2, rows=1)[0].tolist()]
+    ours = [
+        generate(loaded.model, p, 12, Sampling(temperature=0), context_length=16,
+                 vocab_size=loaded.tokenizer.vocab_size, eos_id=2)
+        for p in prompts
+    ]  # fmt: skip
+    assert len(set(ours[0])) > 2, ours  # a real sequence, not one token repeated
+    fed.clear()
+    alone = greedy(hf, prompts[:1], use_cache=True)
+    assert alone == ours[:1]
+    # the prompt once, then one token per step while the context fits, then recomputed
+    steps = len(alone[0]) + (len(alone[0]) < 12)  # a forward also chose the EOS
+    expected = [(10, False)] + [(1, True)] * min(steps - 1, 6) + [(16, False)] * (steps - 7)
+    assert fed == expected
+    assert greedy(hf, prompts[:1], use_cache=False) == ours[:1]
+    assert greedy(hf, prompts, use_cache=True) == greedy(hf, prompts, use_cache=False) == ours
+    ids = tokens(16, seed=3, rows=1)  # and the logits of every step, through the cache
+    with torch.no_grad():
+        out = hf(ids[:, :6], use_cache=True)
+        steps = [out.logits]
+        for i in range(6, 16):
+            out = hf(ids[:, i : i + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+        full = hf(ids, use_cache=False).logits
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-4)
 
 
 def test_real_checkpoint_loads_without_belief_lm(trained_checkpoint, tmp_path):

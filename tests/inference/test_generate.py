@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from belief_lm.inference.generate import Sampling, filter_logits, generate, next_token
+from tests.models import ARCHITECTURES, SMALL, VARIANTS_AND_ARCHITECTURES, tokens
 
 VOCAB = 50
 
@@ -120,6 +121,35 @@ def test_real_checkpoint_generates_reproducibly(make_checkpoint):
     with torch.no_grad():
         first = loaded.model(torch.tensor([prompt]))[-1, 0, : options["vocab_size"]].argmax()
     assert greedy[0] == int(first)
+
+
+@pytest.mark.parametrize(("variant", "arch"), VARIANTS_AND_ARCHITECTURES)
+def test_cached_decoding_equals_recomputing(single_process_group, variant, arch):
+    """The logits of a prompt and then of one token at a time through the cache equal the
+    whole sequence's, and greedy decoding past the 16-token context (where every step
+    recomputes the cropped context) gives the tokens it gives without a cache."""
+    from belief_lm.config import ModelConfig
+    from belief_lm.model.gpt import BeliefLM
+
+    model = BeliefLM(ModelConfig(**SMALL, attention=variant, **ARCHITECTURES[arch]), 512, seed=3)
+    model.eval()
+    ids = tokens(16, rows=1)
+    with torch.no_grad():
+        cache = model.decode_cache()
+        steps = [model(ids[:, :6], cache=cache)]
+        steps += [model(ids[:, i : i + 1], cache=cache) for i in range(6, 16)]
+        torch.testing.assert_close(torch.cat(steps), model(ids), rtol=1e-5, atol=1e-4)
+    fed = []  # (tokens, with a cache) of every forward
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append((args[0].shape[1], "cache" in kwargs)),
+        with_kwargs=True,
+    )
+    options = {"context_length": 16, "vocab_size": 400}
+    cached = generate(model, ids[0, :10].tolist(), 12, Sampling(temperature=0), **options)
+    assert fed == [(10, True)] + [(1, True)] * 6 + [(16, False)] * 5  # 11..16, then 17+
+    recomputed = generate(model, ids[0, :10].tolist(), 12, Sampling(temperature=0), **options,
+                          use_cache=False)  # fmt: skip
+    assert cached == recomputed and len(set(cached)) > 2, cached
 
 
 def test_generate_command_prints_the_greedy_continuation(make_checkpoint):

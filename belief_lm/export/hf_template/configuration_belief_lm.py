@@ -32,7 +32,7 @@ class BeliefLMConfig(PretrainedConfig):
         beta: float = 1.0,
         head_scales: list[int] | None = None,
         tie_word_embeddings: bool = True,
-        use_cache: bool = False,
+        use_cache: bool = True,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -53,6 +53,6 @@ class BeliefLMConfig(PretrainedConfig):
         self.gamma = gamma  # AttentionX's Φ = γV - H
         self.beta = beta  # Attention-BN's weight of the key mean
         self.head_scales = list(head_scales or [1] * num_attention_heads)  # Attention-SH
-        # no KV cache: generation recomputes the whole context every step
+        # generation keeps a cache of every layer's state (False: recompute every step)
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -7,20 +7,38 @@ at export, so the variants compute exactly what training computed.
 The layout is belief-lm's (megatron-core's): token (+ learned position) embedding, pre-norm
 decoder layers x += attn(norm(x)); x += mlp(norm(x)), a final norm and a tied or untied
 head. RoPE is megatron's non-interleaved form (rotate the two halves of each head).
-Attention is always causal over the whole input: no padding masks and no KV cache, so
-`generate` recomputes the context at each step (use_cache=False) and crops it to the last
-max_position_embeddings tokens, as belief-lm's own generator does.
+
+Attention is causal. `generate` decodes with a cache of every variant's state
+(`BeliefLMCache`: belief_attention.DecodeCache; use_cache=True by default): the prompt runs
+once, then each step feeds the new token. An attention mask may mark padding (0): a padded
+token takes no position and no token attends to it, so a left-padded batch gives each row
+what it gives alone. Once a row is longer than max_position_embeddings, every step reruns
+the model over the last max_position_embeddings tokens without the cache, as belief-lm's
+own generator does (the crop moves every position, so nothing cached stays valid).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .belief_attention import attention_heads, heads_from_groups, residual_signal
+from .belief_attention import (
+    DecodeCache,
+    DecodeStep,
+    LayerCache,
+    attention_heads,
+    heads_from_groups,
+    residual_signal,
+    rotary_angles,
+)
 from .configuration_belief_lm import BeliefLMConfig
 from .variants import VARIANTS
+
+# the output's field for the cache: `cache` since transformers 5, `past_key_values` before
+CACHE_FIELD = next(
+    f for f in ("cache", "past_key_values") if f in CausalLMOutputWithPast.__dataclass_fields__
+)
 
 
 def norm(config: BeliefLMConfig) -> nn.Module:
@@ -28,16 +46,23 @@ def norm(config: BeliefLMConfig) -> nn.Module:
     return cls(config.hidden_size, eps=config.norm_epsilon)
 
 
-def rotary_angles(seq_len: int, dim: int, base: float, device: torch.device) -> Tensor:
-    """Angles [seq, dim] in the non-interleaved layout: the same frequencies for both halves."""
-    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-    return torch.cat((angles, angles), dim=-1)
+class BeliefLMCache(DecodeCache):
+    """What generation keeps between steps: every layer's cached slots (see
+    belief_attention.py) and the tokens each row has fed."""
+
+    def __init__(self, config: BeliefLMConfig):
+        mixing = VARIANTS[config.attention][0]
+        super().__init__(config.num_hidden_layers, mixing, config.head_scales)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens fed per row, padding included (what transformers asks a cache)."""
+        return self.columns
 
 
 def apply_rotary(x: Tensor, angles: Tensor) -> Tensor:
-    """x [b, heads, s, d] rotated by angles [s, d]: x cos + rotate_half(x) sin (cos and sin
-    in x's dtype, as megatron applies them)."""
+    """x [b, heads, s, d] rotated by angles [b or 1, s, d]: x cos + rotate_half(x) sin (cos
+    and sin in x's dtype, as megatron applies them)."""
+    angles = angles.unsqueeze(1)  # the same for every head
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -60,7 +85,9 @@ class BeliefLMAttention(nn.Module):
         if self.residual == "belief_star":
             self.s_proj = nn.Linear(self.heads * self.head_dim, width, bias=False)  # W^s
 
-    def forward(self, x: Tensor, angles: Tensor | None) -> Tensor:
+    def forward(
+        self, x: Tensor, angles: Tensor | None, cache: LayerCache | None, step: DecodeStep | None
+    ) -> Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
@@ -68,7 +95,9 @@ class BeliefLMAttention(nn.Module):
         if angles is not None:
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
         c = self.config
-        h = attention_heads(q, k, v, self.mixing, beta=c.beta, head_scales=c.head_scales)
+        h = attention_heads(
+            q, k, v, self.mixing, beta=c.beta, head_scales=c.head_scales, cache=cache, step=step
+        )
         v_heads = heads_from_groups(v, self.heads)
         signal = residual_signal(h.transpose(1, 2), v_heads.transpose(1, 2), self.residual, c.gamma)
         if self.residual != "belief_star":
@@ -103,8 +132,10 @@ class BeliefLMDecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(config)
         self.mlp = BeliefLMMLP(config)
 
-    def forward(self, x: Tensor, angles: Tensor | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), angles)
+    def forward(
+        self, x: Tensor, angles: Tensor | None, cache: LayerCache | None, step: DecodeStep | None
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), angles, cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,21 +171,30 @@ class BeliefLMModel(BeliefLMPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        seq_len, c = input_ids.shape[1], self.config
+    def forward(
+        self, input_ids: Tensor, cache: BeliefLMCache | None = None, valid: Tensor | None = None
+    ) -> Tensor:
+        """Hidden states of `input_ids` [b, s]; with a cache they continue what it holds
+        and are added to it, and `valid` [b, s] (the attention mask) marks padding."""
+        c, step = self.config, None
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        if cache is not None:
+            step = cache.step(torch.ones_like(input_ids, dtype=torch.bool) if valid is None
+                              else valid.bool())  # fmt: skip
+            positions = step.positions
         x = self.embed_tokens(input_ids)
         angles = None
         if c.position_embedding == "learned_absolute":
-            if seq_len > c.max_position_embeddings:
+            if positions.max() >= c.max_position_embeddings:
                 raise ValueError(
-                    f"{seq_len} tokens exceed the {c.max_position_embeddings} learned positions"
+                    f"{int(positions.max()) + 1} tokens exceed the "
+                    f"{c.max_position_embeddings} learned positions"
                 )
-            x = x + self.embed_positions(torch.arange(seq_len, device=input_ids.device))
+            x = x + self.embed_positions(positions)
         else:
-            angles = rotary_angles(seq_len, c.hidden_size // c.num_attention_heads,
-                                   c.rotary_base, input_ids.device)  # fmt: skip
-        for layer in self.layers:
-            x = layer(x, angles)
+            angles = rotary_angles(positions, c.hidden_size // c.num_attention_heads, c.rotary_base)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, angles, None if cache is None else cache.layers[i], step)
         return self.norm(x)
 
 
@@ -174,16 +214,33 @@ class BeliefLMForCausalLM(BeliefLMPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module | None:
         return None if self.config.tie_word_embeddings else self.lm_head
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """generate must not make a DynamicCache: forward makes a BeliefLMCache."""
+        return False
+
     def forward(
         self,
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
+        use_cache: bool | None = None,
+        cache: BeliefLMCache | None = None,
+        past_key_values: BeliefLMCache | None = None,
         **unused,
-    ) -> CausalLMOutput:
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("belief-lm attends causally to every token: padding is unsupported")
-        hidden = self.model(input_ids)
+    ) -> CausalLMOutputWithPast:
+        """Logits [b, s, vocab] of `input_ids`; with a `cache` (or `past_key_values`),
+        `input_ids` continue what it holds. `use_cache` (default: config.use_cache) returns
+        the cache, a new one if none was given. A mask with zeros (padding) is computed
+        through a cache, kept or not."""
+        cache = cache if cache is not None else past_key_values
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if cache is None and (use_cache or padded):
+            cache = BeliefLMCache(self.config)
+        # transformers passes the mask of every token so far: these tokens' are the last
+        valid = None if attention_mask is None else attention_mask[:, -input_ids.shape[1] :]
+        hidden = self.model(input_ids, cache, valid)
         if self.config.tie_word_embeddings:
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         else:
@@ -193,12 +250,31 @@ class BeliefLMForCausalLM(BeliefLMPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
             )
-        return CausalLMOutput(loss=loss, logits=logits)
+        kept = {CACHE_FIELD: cache if use_cache else None}
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **kept)
 
     def prepare_inputs_for_generation(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
     ) -> dict:
-        """The whole context every step (no KV cache), cropped to the trained length."""
-        keep = slice(-self.config.max_position_embeddings, None)
-        mask = None if attention_mask is None else attention_mask[:, keep]
-        return {"input_ids": input_ids[:, keep], "attention_mask": mask}
+        """The tokens the cache does not hold yet; or, without a cache or once a row no
+        longer fits in max_position_embeddings, the whole context cropped to its last
+        max_position_embeddings tokens (a crop moves every position: no cache then)."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        window = self.config.max_position_embeddings
+        tokens = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())
+        if not use_cache or tokens > window:
+            keep = slice(-window, None)
+            mask = None if attention_mask is None else attention_mask[:, keep]
+            return {"input_ids": input_ids[:, keep], "attention_mask": mask, "use_cache": False}
+        fed = 0 if cache is None else cache.columns
+        return {
+            "input_ids": input_ids[:, fed:],
+            "attention_mask": attention_mask,
+            "cache": cache,
+            "use_cache": True,
+        }
