@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from belief_lm.variants import AttentionVariant
 from data_pipeline.config import DataConfig, PositiveInt, Section
@@ -169,8 +176,11 @@ class TrainConfig(Section):
     GPU, for_loop on CPU."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision; auto: bf16 on GPU, fp32 on CPU."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward instead of storing them."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward instead of storing them: none; selective (each
+    layer's attention core, FamilyCoreAttention: softmax and the belief projections, as
+    Megatron's recompute_granularity=selective); full (each whole decoder layer). true and
+    false, from older configs, mean full and none."""
     eval_interval: int = Field(0, ge=0)
     """Steps between validation-loss evaluations (and at the last step); 0: never."""
     eval_batches: PositiveInt = 20
@@ -184,6 +194,14 @@ class TrainConfig(Section):
     max_nonfinite_steps: PositiveInt = 5
     """Consecutive steps with a non-finite gradient (skipped on every rank) after which
     the run stops with an error."""
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _recompute_from_bool(cls, value: Any) -> Any:
+        # this field was a bool (true: recompute whole layers); saved configs still say so
+        if isinstance(value, bool):
+            return "full" if value else "none"
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

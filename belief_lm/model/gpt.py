@@ -35,7 +35,11 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from belief_lm.config import ModelConfig
-from belief_lm.model.attention_layer import BeliefStarProjection, core_attention_spec
+from belief_lm.model.attention_layer import (
+    BeliefStarProjection,
+    FamilyCoreAttention,
+    core_attention_spec,
+)
 from belief_lm.runtime import derived_seed
 
 
@@ -129,7 +133,8 @@ class DecoderLayer(TransformerLayer):
 
     Takes and returns only the hidden states, so it is also a pipeline stage; RoPE angles
     are computed (and cached) here rather than passed between stages. With `recompute`
-    set, its activations are recomputed in backward instead of stored.
+    set, its activations are recomputed in backward instead of stored (only its input is
+    kept): see set_activation_recompute.
     """
 
     recompute = False
@@ -161,6 +166,17 @@ class DecoderLayer(TransformerLayer):
             )
         output, _ = super().forward(hidden_states, attention_mask=None, rotary_pos_emb=rope)
         return output
+
+
+def set_activation_recompute(model: torch.nn.Module, mode: str) -> None:
+    """train.activation_checkpointing on a model (or pipeline stage): none; selective
+    recomputes each layer's FamilyCoreAttention in backward; full recomputes each whole
+    DecoderLayer."""
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            module.recompute = mode == "full"
+        elif isinstance(module, FamilyCoreAttention):
+            module.recompute = mode == "selective"
 
 
 def final_norm_class(config: TransformerConfig) -> type[torch.nn.Module]:
