@@ -259,26 +259,3 @@ class BeliefLM(MegatronModule):
         tied = self.embedding.word_embeddings.weight if self.model_config.tie_embeddings else None
         logits = self.output_layer(self.final_norm(hidden), tied)
         return logits if labels is None else lm_loss(logits, labels)
-
-
-def padded_vocab_size(tokenizer_vocab: int, model: ModelConfig, tensor_parallel: int) -> int:
-    """model.vocab_size if set (checked to hold the tokenizer), else the tokenizer's size
-    rounded up to a multiple of make_vocab_size_divisible_by. Not to a multiple of
-    divisible_by x TP, as megatron does: the size would then depend on the layout and a
-    checkpoint could not move to another TP size."""
-    if model.vocab_size is not None:
-        if model.vocab_size < tokenizer_vocab:
-            raise ValueError(
-                f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's "
-                f"vocabulary ({tokenizer_vocab})"
-            )
-        size = model.vocab_size
-    else:
-        multiple = model.make_vocab_size_divisible_by
-        size = -(-tokenizer_vocab // multiple) * multiple
-    if size % tensor_parallel:
-        raise ValueError(
-            f"the vocabulary ({size}) is not divisible by the tensor-parallel size "
-            f"({tensor_parallel}); set model.vocab_size or model.make_vocab_size_divisible_by"
-        )
-    return size

@@ -3,14 +3,9 @@
 import pytest
 import torch
 
-from belief_lm.config import ModelConfig, load_config
+from belief_lm.config import ModelConfig, load_config, padded_vocab_size
 from belief_lm.model.attention_layer import FamilyCoreAttention
-from belief_lm.model.gpt import (
-    BeliefLM,
-    DecoderLayer,
-    padded_vocab_size,
-    set_activation_recompute,
-)
+from belief_lm.model.gpt import BeliefLM, DecoderLayer, set_activation_recompute
 from belief_lm.parallel.gather import count_model_parameters
 from belief_lm.variants import VARIANTS
 
