@@ -312,33 +312,31 @@ def memory(
     # 1F1B: stage s holds the activations of up to (stages - s) micro-batches
     in_flight = min(layout.pipeline - stage, layout.accumulation)
     per_layer = layer_activations(model, layout.tensor, layout.recompute, bf16)
-    activations = in_flight * tokens * layers * per_layer
-    if last:
-        activations += tokens * head_activations(model, vocab_size, layout.tensor, bf16)
-    # recompute rebuilds one layer's (or one core's) tensors at a time in backward
-    transient = 0.0
-    if layout.recompute != "none":
-        whole = layer_activations(model, layout.tensor, "none", bf16)
-        kept = layer_activations(model, layout.tensor, layout.recompute, bf16)
-        transient = tokens * (whole - kept)
+    layer_activation = in_flight * tokens * layers * per_layer
+    head = tokens * head_activations(model, vocab_size, layout.tensor, bf16) if last else 0.0
     largest = _largest_tensor(model, vocab_size, layout.tensor)
     state = _optimizer_state(params, layout, bf16, largest)
-    # as backward starts: in bf16 the logits' gradient (the fp32 softmax's, cast), then
-    # the output layer's weight gradient (ZeRO 1-2 copy it into their bucket, allocated
-    # before it)
-    output_grad = 0.0
-    if last:
-        output_grad = tokens * vocab_size // layout.tensor * (2 if bf16 else 0)
-        if layout.zero_stage in (0, 3):
-            output_grad += vocab_size // layout.tensor * model.hidden_size * state.grad_bytes
-    backward = (
+    held = (
         state.resident
         + (state.accumulated_grads if layout.accumulation > 1 else 0.0)
         + state.backward_buffers
-        + activations
-        + transient
-        + output_grad
+        + layer_activation
     )
+    # backward starts with the loss: in bf16 the logits' gradient (the fp32 softmax's,
+    # cast), then the output layer's weight gradient (ZeRO 1-2 copy it into their bucket,
+    # allocated before it)
+    weight_grad = 0.0
+    if last and layout.zero_stage in (0, 3):
+        weight_grad = vocab_size // layout.tensor * model.hidden_size * state.grad_bytes
+    logits_grad = tokens * vocab_size // layout.tensor * 2 if last and bf16 else 0.0
+    backward = held + head + logits_grad + weight_grad
+    # recompute then rebuilds one layer's (or attention core's) tensors at a time, the
+    # loss's already freed
+    transient = 0.0
+    if layout.recompute != "none":
+        whole = layer_activations(model, layout.tensor, "none", bf16)
+        transient = tokens * (whole - per_layer)
+        backward = max(backward, held + transient + weight_grad)
     peak = max(backward, state.end_of_backward, state.step, state.startup)
     return Memory(
         stage=stage,
@@ -348,7 +346,7 @@ def memory(
         optimizer=state.optimizer,
         buffers=max(state.backward_buffers, state.step - state.resident - state.gradients),
         resident=state.resident,
-        activations=activations,
+        activations=layer_activation + head,
         recomputed=transient,
         peak=peak,
     )
