@@ -23,7 +23,7 @@ model is checked against allocations measured on CPU by bench/memory.py.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from belief_lm.config import Config, ModelConfig, padded_vocab_size
 from belief_lm.preflight import check_layout
@@ -42,7 +42,8 @@ bucket of it for gradients in each backward, ZeRO-3 once at start-up (a test hol
 DeepSpeed's own default)."""
 
 ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
-"""The elements DeepSpeed's ZeRO-0 engine flattens at once to all-reduce gradients."""
+"""The gradient elements DeepSpeed's ZeRO-0 engine flattens at once to all-reduce them
+(buffered_allreduce_fallback's default; held to it by a test)."""
 
 GB = 1e9
 
@@ -120,7 +121,6 @@ class Estimate:
     compute_s: float
     communication_s: float
     tokens_per_s: float
-    notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -139,8 +139,12 @@ def plan(
     estimates = []
     for layout in layouts(cfg, machine, vocab_size, max_micro_batch, recompute):
         estimates.append(estimate(cfg, layout, machine, vocab_size, bf16))
-    # equally fast layouts (the model has no micro-batch efficiency): the leaner first
-    return sorted(estimates, key=lambda e: (not e.fits, -e.tokens_per_s, e.memory.peak))
+    # equally fast (the model has no micro-batch efficiency): the larger micro-batch first
+    # (bigger matmuls, fewer accumulation steps), then the leaner
+    return sorted(
+        estimates,
+        key=lambda e: (not e.fits, -e.tokens_per_s, -e.layout.micro_batch, e.memory.peak),
+    )
 
 
 def layouts(
@@ -337,14 +341,20 @@ def memory(
         whole = layer_activations(model, layout.tensor, "none", bf16)
         transient = tokens * (whole - per_layer)
         backward = max(backward, held + transient + weight_grad)
-    peak = max(backward, state.end_of_backward, state.step, state.startup)
+    # backward ends with every gradient and, for a tied embedding in one stage, two more
+    # of its size: the embedding's own gradient and its sum with the output layer's
+    tied = 0.0
+    if model.tie_embeddings and layout.pipeline == 1 and layout.zero_stage < 3:
+        tied = 2 * vocab_size // layout.tensor * model.hidden_size * state.grad_bytes
+    autograd_end = state.resident + state.backward_buffers + state.autograd_grads + tied
+    peak = max(backward, autograd_end, state.end_of_backward, state.step, state.startup)
     return Memory(
         stage=stage,
         parameters=params,
         weights=state.weights,
         gradients=state.gradients,
         optimizer=state.optimizer,
-        buffers=max(state.backward_buffers, state.step - state.resident - state.gradients),
+        buffers=state.buffers,
         resident=state.resident,
         activations=layer_activation + head,
         recomputed=transient,
@@ -372,7 +382,11 @@ class _State:
     accumulated_grads: float
     """Gradients kept from one micro-batch to the next when accumulating."""
     backward_buffers: float
-    """Allocated as backward starts (ZeRO 1-2's reduce bucket)."""
+    """Allocated as backward starts (ZeRO 1-2's reduce bucket and gradient partition)."""
+    autograd_grads: float
+    """Gradients autograd leaves in the parameters (ZeRO-0) when backward ends."""
+    buffers: float
+    """DeepSpeed's buffers and the step's temporaries, the largest alive at once."""
     end_of_backward: float
     step: float
     startup: float
@@ -382,13 +396,14 @@ def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _
     """DeepSpeed 0.19's engines, as their code allocates and bench/memory.py measured:
 
     - ZeRO-0, fp32: the torch optimizer on the module's parameters: fp32 gradients and
-      moments; a data-parallel all-reduce flattens up to 5e8 gradient elements at a time.
+      moments; the gradient all-reduce (even at DP=1) flattens up to 5e8 of them at once.
     - ZeRO-0, bf16 without a pipeline: DeepSpeed's unfused fp16 optimizer in bf16 (an fp32
       copy of every weight; each step copies the bf16 gradients to fp32); with a pipeline
       its BF16_Optimizer (fp32 masters and moments partitioned over data parallelism, an
       fp32 gradient accumulation buffer).
     - ZeRO 1-2: weights flattened in place; fp32 masters, moments and the reduced gradient
-      partition are this rank's 1/DP; a reduce bucket of 5e8 elements in each backward.
+      partition are this rank's 1/DP; in each backward a reduce bucket of 5e8 elements and
+      the partition's gradients (in the model's dtype) are allocated at the first gradient.
     - ZeRO-3: weights, fp32 masters and the fp32 gradient partition are 1/DP; the bucket
       is allocated at start-up and kept.
 
@@ -399,7 +414,7 @@ def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _
     size = 2 if bf16 else 4
     weights = params * size
     bucket = REDUCE_BUCKET_ELEMENTS * size
-    flat = size * min(params, ALLREDUCE_BUCKET_ELEMENTS) if data > 1 else 0.0
+    flat = size * min(params, ALLREDUCE_BUCKET_ELEMENTS)
     if zero == 0 and (not bf16 or layout.pipeline == 1):
         grads = float(size * params)
         # fp32: Adam's moments; bf16 (unfused fp16 optimizer): an fp32 copy too
@@ -408,6 +423,7 @@ def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _
         resident = weights + opt
         return _State(
             weights, grads, opt, size, resident, accumulated_grads=grads, backward_buffers=0.0,
+            autograd_grads=grads, buffers=max(flat, fp32_grads + 2 * 4.0 * largest),
             end_of_backward=resident + grads + flat,
             step=resident + grads + fp32_grads + 2 * 4.0 * largest,
             startup=resident + fp32_grads,
@@ -417,6 +433,7 @@ def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _
         resident = weights + opt + 4.0 * params
         return _State(
             weights, grads, opt, size, resident, accumulated_grads=0.0, backward_buffers=0.0,
+            autograd_grads=2.0 * params, buffers=3 * 4.0 * params / data,
             end_of_backward=resident + 2.0 * params,
             step=resident + 2.0 * params + 3 * 4.0 * params / data,
             startup=resident,
@@ -428,7 +445,8 @@ def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _
         grads = size * partition  # the reduced partition, in the model's dtype
         resident = weights + opt
         return _State(
-            weights, grads, opt, size, resident, accumulated_grads=grads, backward_buffers=bucket,
+            weights, grads, opt, size, resident, accumulated_grads=0.0,
+            backward_buffers=bucket + grads, autograd_grads=0.0, buffers=max(bucket, temps),
             end_of_backward=resident + grads,
             step=resident + grads + temps,
             startup=weights + 4.0 * partition,
@@ -438,6 +456,7 @@ def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _
     resident = weights + opt + grads + bucket
     return _State(
         weights, grads, opt, size, resident, accumulated_grads=0.0, backward_buffers=0.0,
+        autograd_grads=0.0, buffers=bucket + temps,
         end_of_backward=resident,
         step=resident + temps,
         startup=resident - 8.0 * partition,  # the moments appear at the first step
@@ -523,14 +542,20 @@ def _all_reduce(volume: float, ranks: int, bandwidth: float) -> float:
 
 
 def table(estimates: list[Estimate], top: int) -> str:
-    """The best `top` layouts that fit, as a text table (GB are 10^9 bytes)."""
+    """The best `top` layouts that fit, as a text table (GB are 10^9 bytes): one row per
+    split and recompute mode, at its best micro-batch (the first in `estimates`' order)."""
     header = (
         f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'ZeRO':>4} {'micro':>5} {'accum':>5} "
         f"{'recompute':>9} {'weights':>7} {'grads':>6} {'optim':>6} {'buffers':>7} "
         f"{'activ':>6} {'peak GB':>7} {'step s':>7} {'tokens/s':>10}"
     )
-    lines = [header]
-    for rank, e in enumerate([e for e in estimates if e.fits][:top], start=1):
+    lines, best = [header], {}
+    for e in estimates:
+        lay = e.layout
+        key = (lay.tensor, lay.pipeline, lay.data, lay.zero_stage, lay.recompute)
+        if e.fits and key not in best:
+            best[key] = e
+    for rank, e in enumerate(list(best.values())[:top], start=1):
         lay, mem = e.layout, e.memory
         lines.append(
             f"{rank:>3} {lay.tensor:>3} {lay.pipeline:>3} {lay.data:>4} {lay.zero_stage:>4} "

@@ -36,18 +36,19 @@ def kept_after_forward(model: torch.nn.Module, tokens: torch.Tensor) -> int:
 @pytest.mark.usefixtures("single_process_group")
 @pytest.mark.parametrize(
     ("preset", "variant", "dtype"),
-    [("tiny", v, d) for v in VARIANTS for d in ("float32", "bfloat16")]
+    [("tiny", v, "float32") for v in VARIANTS]
+    # bf16 where the variant's tensors differ from fp32's (the projections' fp32 copies)
+    + [("tiny", v, "bfloat16") for v in ("softmax", "belief", "belief_star", "attentionx")]
     + [("gpt2-124m", v, "float32") for v in ("softmax", "belief_star")],
 )
 def test_activations_per_layer_are_what_autograd_keeps(preset, variant, dtype):
     """One more decoder layer keeps plan.layer_activations per token (none, selective,
     full recompute), and the rest of the model plan.head_activations: within 3% (small
-    per-head statistics are approximate), 5% for Attention-SH in bf16 (its pooled keys and
-    values are not modelled: 4% here)."""
+    per-head statistics are approximate; Attention-SH's pooled keys and values are not
+    modelled: within 1% in fp32, 4% over in bf16)."""
     shape = LLAMA if preset == "tiny" else GPT2
     bf16 = dtype == "bfloat16"
-    pooled = variant in ("attention_sh", "attention_bn_sh")
-    tolerance = 0.05 if pooled and bf16 else 0.03
+    tolerance = 0.03
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     kept, cfg = {}, None
     for layers in (1, 2):

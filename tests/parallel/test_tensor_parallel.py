@@ -54,7 +54,8 @@ def test_llama_1b_layers_train_at_tp2(tmp_path, cache_dir):
     result = run_cli(
         "train", "--config", "configs/model/llama-1b.yaml", "model.attention=belief_star",
         "model.num_layers=2", "model.seq_length=64", "model.vocab_size=null",
-        "parallel.tensor=2", "train.micro_batch_size=2", "train.global_batch_size=2",
+        "parallel.tensor=2", "parallel.zero_stage=0", "data.num_workers=0",
+        "train.micro_batch_size=2", "train.global_batch_size=2",
         "train.max_steps=1", "checkpoint.save_at_end=false", "run.tensorboard=false",
         f"run.output_dir={tmp_path}", f"run.cache_dir={cache_dir}",
         nproc=2, timeout=300,
