@@ -318,6 +318,10 @@ def memory(
     per_layer = layer_activations(model, layout.tensor, layout.recompute, bf16)
     layer_activation = in_flight * tokens * layers * per_layer
     head = tokens * head_activations(model, vocab_size, layout.tensor, bf16) if last else 0.0
+    if last and layout.pipeline > 1:
+        # DeepSpeed's pipeline engine keeps each stage's outputs in its pipe buffers, two
+        # on the last stage: the logits of this micro-batch and of the one before
+        head += 2 * tokens * vocab_size // layout.tensor * (2 if bf16 else 4)
     largest = _largest_tensor(model, vocab_size, layout.tensor)
     state = _optimizer_state(params, layout, bf16, largest)
     held = (
@@ -444,9 +448,11 @@ def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _
     if zero in (1, 2):
         grads = size * partition  # the reduced partition, in the model's dtype
         resident = weights + opt
+        # under a pipeline the gradient reduction allocates a second bucket of its own
+        buckets = bucket * (2 if layout.pipeline > 1 else 1)
         return _State(
             weights, grads, opt, size, resident, accumulated_grads=0.0,
-            backward_buffers=bucket + grads, autograd_grads=0.0, buffers=max(bucket, temps),
+            backward_buffers=buckets + grads, autograd_grads=0.0, buffers=max(buckets, temps),
             end_of_backward=resident + grads,
             step=resident + grads + temps,
             startup=weights + 4.0 * partition,
