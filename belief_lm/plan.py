@@ -407,7 +407,8 @@ def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _
       fp32 gradient accumulation buffer).
     - ZeRO 1-2: weights flattened in place; fp32 masters, moments and the reduced gradient
       partition are this rank's 1/DP; in each backward a reduce bucket of 5e8 elements and
-      the partition's gradients (in the model's dtype) are allocated at the first gradient.
+      the gradients (ZeRO-1: all of them, ZeRO-2: the partition's; in the model's dtype)
+      are allocated at the first gradient.
     - ZeRO-3: weights, fp32 masters and the fp32 gradient partition are 1/DP; the bucket
       is allocated at start-up and kept.
 
@@ -450,9 +451,11 @@ def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _
         resident = weights + opt
         # under a pipeline the gradient reduction allocates a second bucket of its own
         buckets = bucket * (2 if layout.pipeline > 1 else 1)
+        # ZeRO-1 stages every gradient during backward, ZeRO-2 only its partition's
+        staged = size * params if zero == 1 else grads
         return _State(
             weights, grads, opt, size, resident, accumulated_grads=0.0,
-            backward_buffers=buckets + grads, autograd_grads=0.0, buffers=max(buckets, temps),
+            backward_buffers=buckets + staged, autograd_grads=0.0, buffers=max(buckets, temps),
             end_of_backward=resident + grads,
             step=resident + grads + temps,
             startup=weights + 4.0 * partition,
