@@ -6,6 +6,8 @@
     belief-lm tokenizer train --config CONFIG --output MODEL [section.key=value ...]
     belief-lm prepare --config CONFIG --output DIR [--workers N] [section.key=value ...]
     belief-lm evaluate --checkpoint DIR [--data SOURCE] [--tensor N] [--batches N] [--output F]
+    belief-lm plan --config RUN --gpus N --gpu-memory-gb M [--mfu F] [--json] [key=value ...]
+        memory per GPU and step time of every layout of N GPUs, the best that fit first
     belief-lm launch local|slurm [--dry-run] --config ... [section.key=value ...]
         local: launch.tasks_per_node ranks on this machine (exits with their code: 75 passes
         through); slurm: render slurm/pretrain.sbatch and sbatch it
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import shlex
@@ -93,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
             "--dry-run", action="store_true", help="print the command or script, run nothing"
         )
         _config_arguments(sub)
+    _plan_arguments(commands)
     _generate_arguments(commands)
     help_text = "export a checkpoint: a Hugging Face transformers folder or one torch file"
     sub = commands.add_parser("export", help=help_text, description=help_text)
@@ -109,6 +114,31 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("dir", metavar="DIR", help="folder with config.json and *.safetensors")
     _config_arguments(sub)
     return parser
+
+
+def _plan_arguments(commands) -> None:
+    help_text = "predict memory per GPU and step time of every layout of N GPUs; rank them"
+    sub = commands.add_parser("plan", help=help_text, description=help_text)
+    sub.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
+    sub.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU")
+    sub.add_argument("--gpus-per-node", type=int, help="default: launch.gpus_per_node, or 8")
+    sub.add_argument("--mfu", type=float, default=0.4, help="fraction of peak FLOP/s reached")
+    sub.add_argument(
+        "--peak-tflops", type=float, help="peak TFLOP/s of a GPU (default: run.peak_tflops, "
+        "or an H100's 989 bf16)",
+    )  # fmt: skip
+    sub.add_argument("--bandwidth-gbs", type=float, default=300.0, help="within a node, GB/s")
+    sub.add_argument(
+        "--inter-node-bandwidth-gbs", type=float, default=40.0, help="between nodes, per GPU"
+    )
+    sub.add_argument(
+        "--reserve-gb", type=float, default=2.0,
+        help="memory a GPU needs beyond the allocator's peak (CUDA context, NCCL, fragmentation)",
+    )  # fmt: skip
+    sub.add_argument("--max-micro-batch", type=int, default=64, help="largest micro-batch tried")
+    sub.add_argument("--top", type=int, default=10, help="layouts shown (0: all, with --json)")
+    sub.add_argument("--json", action="store_true", help="JSON instead of the table")
+    _config_arguments(sub)
 
 
 def _generate_arguments(commands) -> None:
@@ -178,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             preflight(cfg, world_size)  # checkpoint.resume included: what `train` would meet
             print(cfg.to_yaml(), end="")
             return exit_codes.DONE
+        if args.command == "plan":
+            return _plan(args, cfg)
         _quiet_libraries()
         if args.command == "launch":
             return _launch(args, cfg)
@@ -198,6 +230,49 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as err:  # bad config, data or checkpoint: before work
         print(f"belief-lm: {err}", file=sys.stderr)
         return exit_codes.BAD_INPUT
+
+
+def _plan(args: argparse.Namespace, cfg: Config) -> int:
+    """`plan`: every layout of --gpus scored by belief_lm.plan; a table, or JSON."""
+    from belief_lm import plan
+
+    machine = plan.Machine(
+        gpus=args.gpus,
+        memory_gb=args.gpu_memory_gb,
+        gpus_per_node=args.gpus_per_node or cfg.launch.gpus_per_node or 8,
+        peak_tflops=args.peak_tflops or cfg.run.peak_tflops or plan.Machine.peak_tflops,
+        mfu=args.mfu,
+        bandwidth_gbs=args.bandwidth_gbs,
+        inter_node_bandwidth_gbs=args.inter_node_bandwidth_gbs,
+        reserve_gb=args.reserve_gb,
+    )
+    vocab_size = plan.run_vocab_size(cfg)
+    estimates = plan.plan(cfg, machine, vocab_size, args.max_micro_batch)
+    if not estimates:
+        raise ValueError(f"no layout of {args.gpus} GPUs passes pre-flight for this config")
+    fitting = sum(e.fits for e in estimates)
+    if args.json:
+        shown = estimates[: args.top] if args.top else estimates
+        report = {
+            "machine": dataclasses.asdict(machine), "model": cfg.model.name,
+            "attention": cfg.model.attention, "vocab_size": vocab_size,
+            "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_length,
+            "layouts": len(estimates), "fitting": fitting,
+            "estimates": [e.as_dict() for e in shown],
+        }  # fmt: skip
+        print(json.dumps(report, indent=1))
+        return exit_codes.DONE
+    print(
+        f"{cfg.model.name} ({cfg.model.attention}), vocab {vocab_size:,}, "
+        f"{cfg.train.global_batch_size} x {cfg.model.seq_length} tokens per step on "
+        f"{machine.gpus} GPUs of {machine.memory_gb:g} GB ({machine.reserve_gb:g} GB reserved), "
+        f"{machine.gpus_per_node} per node; {machine.peak_tflops:g} TFLOP/s at MFU "
+        f"{machine.mfu:g}, {machine.bandwidth_gbs:g} / {machine.inter_node_bandwidth_gbs:g} "
+        f"GB/s within / between nodes"
+    )
+    print(plan.table(estimates, args.top or len(estimates)))
+    print(f"{fitting} of {len(estimates)} layouts fit")
+    return exit_codes.DONE if fitting else exit_codes.FAILED
 
 
 def _from_checkpoint(args: argparse.Namespace) -> int:

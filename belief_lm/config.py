@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from belief_lm.variants import AttentionVariant
 from data_pipeline.config import DataConfig, PositiveInt, Section
@@ -119,6 +126,29 @@ class ModelConfig(Section):
         return self.sh_scales * (self.num_attention_heads // len(self.sh_scales))
 
 
+def padded_vocab_size(tokenizer_vocab: int, model: ModelConfig, tensor_parallel: int) -> int:
+    """model.vocab_size if set (checked to hold the tokenizer), else the tokenizer's size
+    rounded up to a multiple of make_vocab_size_divisible_by. Not to a multiple of
+    divisible_by x TP, as megatron does: the size would then depend on the layout and a
+    checkpoint could not move to another TP size."""
+    if model.vocab_size is not None:
+        if model.vocab_size < tokenizer_vocab:
+            raise ValueError(
+                f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's "
+                f"vocabulary ({tokenizer_vocab})"
+            )
+        size = model.vocab_size
+    else:
+        multiple = model.make_vocab_size_divisible_by
+        size = -(-tokenizer_vocab // multiple) * multiple
+    if size % tensor_parallel:
+        raise ValueError(
+            f"the vocabulary ({size}) is not divisible by the tensor-parallel size "
+            f"({tensor_parallel}); set model.vocab_size or model.make_vocab_size_divisible_by"
+        )
+    return size
+
+
 class ParallelConfig(Section):
     """How the world is split: tensor x pipeline x data (the rest) parallel."""
 
@@ -198,8 +228,11 @@ class TrainConfig(Section):
     GPU, for_loop on CPU."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision; auto: bf16 on GPU, fp32 on CPU."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward instead of storing them."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward instead of storing them: none; selective (each
+    layer's attention core, FamilyCoreAttention: softmax and the belief projections, as
+    Megatron's recompute_granularity=selective); full (each whole decoder layer). true and
+    false, from older configs, mean full and none."""
     eval_interval: int = Field(0, ge=0)
     """Steps between validation-loss evaluations (and at the last step); 0: never."""
     eval_batches: PositiveInt = 20
@@ -215,6 +248,14 @@ class TrainConfig(Section):
     the run stops with an error."""
     spike: SpikeConfig = Field(default_factory=SpikeConfig)
     """Loss-spike detection and what to do about a spike."""
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _recompute_from_bool(cls, value: Any) -> Any:
+        # this field was a bool (true: recompute whole layers); saved configs still say so
+        if isinstance(value, bool):
+            return "full" if value else "none"
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from belief_lm.checkpoint.files import CheckpointInfo, complete_checkpoints, step_name
-from belief_lm.config import Config, ModelConfig
+from belief_lm.config import Config, ModelConfig, padded_vocab_size
 from belief_lm.preflight import checkpoint_root
 from data_pipeline.tokenizer import Tokenizer
 
@@ -129,8 +129,6 @@ def import_hf(folder: str | Path, cfg: Config) -> Path:
     folder = Path(folder).expanduser()
     hf = read_config(folder)
     cfg, tokenizer = run_tokenizer(cfg, folder)
-    from belief_lm.model.gpt import padded_vocab_size  # torch: after the cheap checks
-
     vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg.model, 1)
     check_model(hf, cfg.model, vocab_size, folder)
     root = checkpoint_root(cfg)

@@ -57,15 +57,23 @@ def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> P
     """Check `cfg` for a job of `world_size` processes on `device_type` ('cuda', 'cpu', or
     None when not known yet, as at submission). Raises ValueError (CheckpointError for the
     checkpoint) naming the options to change."""
+    dims, accumulation = check_layout(cfg, world_size)
+    check_eval_tasks(cfg)
+    check_wandb(cfg)
+    bf16 = None if device_type is None else use_bf16(cfg.train.precision, device_type)
+    return Plan(dims, accumulation, bf16, plan_resume(cfg, dims))
+
+
+def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, int]:
+    """The layout's checks: parallel sizes, engine limits, head split, batch and readers.
+    Returns the layout's numbers and the accumulation steps; raises ValueError naming the
+    options to change. (`belief-lm plan` asks this of every layout it considers.)"""
     check_engine_settings(cfg)  # the config alone first, then against the job's size
     dims = ParallelDims(world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
     check_tensor_split(cfg)
     accumulation = grad_accumulation_steps(cfg, dims.data)
     check_readers(cfg, dims.data)
-    check_eval_tasks(cfg)
-    check_wandb(cfg)
-    bf16 = None if device_type is None else use_bf16(cfg.train.precision, device_type)
-    return Plan(dims, accumulation, bf16, plan_resume(cfg, dims))
+    return dims, accumulation
 
 
 def grad_accumulation_steps(cfg: Config, data_parallel: int) -> int:

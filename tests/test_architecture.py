@@ -99,6 +99,7 @@ def test_belief_lm_parts_import_one_way():
     [
         "belief_lm.cli",
         "belief_lm.preflight",
+        "belief_lm.plan",
         "belief_lm.config",
         "belief_lm.exit_codes",
         "belief_lm.logs",

@@ -133,3 +133,15 @@ def test_sections_document_every_field():
             assert field.description, f"{section.__name__}.{name} has no docstring"
             if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
                 sections.append(field.annotation)
+
+
+def test_activation_checkpointing_modes_and_the_old_booleans():
+    """none | selective | full; true and false (the field was a bool, and checkpoints'
+    config.yaml files still say so) load as full and none."""
+    assert load_config("configs/tiny.yaml").train.activation_checkpointing == "none"
+    for value, mode in [("true", "full"), ("false", "none"), ("selective", "selective")]:
+        cfg = load_config("configs/tiny.yaml", [f"train.activation_checkpointing={value}"])
+        assert cfg.train.activation_checkpointing == mode
+        assert f"activation_checkpointing: {mode}\n" in cfg.to_yaml()
+    with pytest.raises(ConfigError, match=r"train\.activation_checkpointing = 'partial'"):
+        load_config("configs/tiny.yaml", ["train.activation_checkpointing=partial"])

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from belief_lm.config import load_config
+from belief_lm.preflight import preflight
 from belief_lm.train.loop import train
 
 PAPER = sorted(Path("configs/paper").glob("*.yaml"))
@@ -16,7 +17,18 @@ def test_there_are_softmax_and_belief_star_runs_of_both_papers():
     assert names == {
         "gpt2-124m-owt", "gpt2-124m-owt-belief_star",
         "llama-188m-fineweb-edu", "llama-188m-fineweb-edu-belief_star",
+        "llama-1b-fineweb-edu", "llama-1b-fineweb-edu-belief_star",
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
+def test_paper_config_passes_preflight_on_every_allocation(path):
+    """`launch slurm` would submit it: every world size its launch section allows (the 1B
+    runs: 1 to 4 nodes of 8 GPUs) has a layout, batch and readers that work."""
+    cfg = load_config(path, ["checkpoint.resume=never"])
+    for world_size in cfg.launch.world_sizes:
+        plan = preflight(cfg, world_size, "cuda")
+        assert plan.bf16 and plan.dims.data == world_size
 
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)

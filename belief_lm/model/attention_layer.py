@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import get_pg_rank, get_pg_size
 from torch import Tensor
 
 from belief_lm import attention as family
@@ -40,11 +41,15 @@ class FamilyCoreAttention(MegatronModule):
     Attention is always causal over the whole packed window; masks are not supported.
     Setting `capture` to a dict makes the next forward store MH and V (for diagnostics);
     `decoding` (this layer's cache and the step, set by DecoderLayer for one call) makes
-    it attend to the cached tokens too.
+    it attend to the cached tokens too. With `recompute` set (selective activation
+    recompute), training keeps only Q, K and V and recomputes the rest in backward: SDPA's
+    output and statistics, each head's V and the belief projections' intermediates, the
+    layer's largest activations per FLOP.
     """
 
     capture: dict | None = None
     decoding: tuple[family.LayerCache, family.DecodeStep] | None = None
+    recompute = False
 
     def __init__(
         self,
@@ -71,8 +76,7 @@ class FamilyCoreAttention(MegatronModule):
         self.shard_sum = tensor_parallel_sum(tp_group)
         self.local_head_scales: list[int] = []
         if self.mixing in ("sh", "bn_sh"):
-            tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
-            tp_rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
+            tp_size, tp_rank = get_pg_size(tp_group), get_pg_rank(tp_group)
             local = config.num_attention_heads // tp_size
             self.local_head_scales = list(head_scales[tp_rank * local : (tp_rank + 1) * local])
 
@@ -91,6 +95,16 @@ class FamilyCoreAttention(MegatronModule):
             raise ValueError(
                 "FamilyCoreAttention is causal-only: masks/bias/packed seqs unsupported"
             )
+        if self.recompute and self.training and torch.is_grad_enabled():
+            # torch's checkpoint, not megatron's tensor_parallel.checkpoint: that one saves
+            # the CUDA RNG state and fails without CUDA (nothing here draws random numbers).
+            # Under TP the recomputation repeats belief's all-reduce on every rank alike.
+            return torch.utils.checkpoint.checkpoint(
+                self._attend, query, key, value, use_reentrant=False
+            )
+        return self._attend(query, key, value)
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         cache, step = self.decoding or (None, None)
         h = family.attention_heads(

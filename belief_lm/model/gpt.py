@@ -40,7 +40,11 @@ from torch import Tensor
 
 from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, rotary_angles
 from belief_lm.config import ModelConfig
-from belief_lm.model.attention_layer import BeliefStarProjection, core_attention_spec
+from belief_lm.model.attention_layer import (
+    BeliefStarProjection,
+    FamilyCoreAttention,
+    core_attention_spec,
+)
 from belief_lm.runtime import derived_seed
 from belief_lm.variants import VARIANTS
 
@@ -135,8 +139,9 @@ class DecoderLayer(TransformerLayer):
 
     Takes and returns only the hidden states, so it is also a pipeline stage; RoPE angles
     are computed (and cached) here rather than passed between stages. With `recompute`
-    set, its activations are recomputed in backward instead of stored. `decoding` (this
-    layer's cache and the step) makes it continue a cached sequence.
+    set, its activations are recomputed in backward instead of stored (only its input is
+    kept): see set_activation_recompute. `decoding` (this layer's cache and the step) makes
+    it continue a cached sequence.
     """
 
     recompute = False
@@ -177,6 +182,17 @@ class DecoderLayer(TransformerLayer):
         finally:
             core.decoding = None
         return output
+
+
+def set_activation_recompute(model: torch.nn.Module, mode: str) -> None:
+    """train.activation_checkpointing on a model (or pipeline stage): none; selective
+    recomputes each layer's FamilyCoreAttention in backward; full recomputes each whole
+    DecoderLayer."""
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            module.recompute = mode == "full"
+        elif isinstance(module, FamilyCoreAttention):
+            module.recompute = mode == "selective"
 
 
 def final_norm_class(config: TransformerConfig) -> type[torch.nn.Module]:
@@ -274,26 +290,3 @@ class BeliefLM(MegatronModule):
         model = self.model_config
         mixing = VARIANTS[model.attention][0]
         return DecodeCache(model.num_layers, mixing, model.head_scales)
-
-
-def padded_vocab_size(tokenizer_vocab: int, model: ModelConfig, tensor_parallel: int) -> int:
-    """model.vocab_size if set (checked to hold the tokenizer), else the tokenizer's size
-    rounded up to a multiple of make_vocab_size_divisible_by. Not to a multiple of
-    divisible_by x TP, as megatron does: the size would then depend on the layout and a
-    checkpoint could not move to another TP size."""
-    if model.vocab_size is not None:
-        if model.vocab_size < tokenizer_vocab:
-            raise ValueError(
-                f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's "
-                f"vocabulary ({tokenizer_vocab})"
-            )
-        size = model.vocab_size
-    else:
-        multiple = model.make_vocab_size_divisible_by
-        size = -(-tokenizer_vocab // multiple) * multiple
-    if size % tensor_parallel:
-        raise ValueError(
-            f"the vocabulary ({size}) is not divisible by the tensor-parallel size "
-            f"({tensor_parallel}); set model.vocab_size or model.make_vocab_size_divisible_by"
-        )
-    return size

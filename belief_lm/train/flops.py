@@ -4,13 +4,19 @@ Counts matrix multiplies only, forward + backward = 3 x forward, as PaLM's appen
 Megatron do: 6 FLOPs per matmul weight per token, plus the attention scores and weighted
 sums, 12 x layers x seq x hidden per token (counted for the full, not the causal, square).
 belief's projections are elementwise and not counted; belief_star's W^s is a matmul and is.
+Activation recompute runs part of the forward again (recompute_flops_per_token); MFU does
+not count it, the time a step takes does. Torch-free but for peak_tflops (the planner,
+belief_lm/plan.py, runs without torch).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from belief_lm.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 PEAK_DENSE_BF16_TFLOPS = {
     "H100 PCIe": 756.0,
@@ -25,19 +31,40 @@ PEAK_DENSE_BF16_TFLOPS = {
 PCIe and NVL boards come before the SXM figure of their name)."""
 
 
-def matmul_weights(model: ModelConfig, vocab_size: int) -> int:
-    """Weights used in matrix multiplies (embedding lookups and norms excluded)."""
+def layer_matmul_weights(model: ModelConfig) -> int:
+    """Matmul weights of one decoder layer: QKV, W^o (and belief_star's W^s), the MLP."""
     hidden, ffn = model.hidden_size, model.ffn_size
     qkv = hidden * (model.num_attention_heads + 2 * model.query_groups) * model.head_dim
     out = hidden * hidden * (2 if model.attention == "belief_star" else 1)
     mlp = hidden * ffn * (3 if model.activation == "swiglu" else 2)
-    return model.num_layers * (qkv + out + mlp) + hidden * vocab_size
+    return qkv + out + mlp
+
+
+def matmul_weights(model: ModelConfig, vocab_size: int) -> int:
+    """Weights used in matrix multiplies (embedding lookups and norms excluded)."""
+    return model.num_layers * layer_matmul_weights(model) + model.hidden_size * vocab_size
+
+
+def attention_flops_per_token(model: ModelConfig) -> float:
+    """The attention scores and weighted sums, forward and backward, per token."""
+    return 12 * model.num_layers * model.seq_length * model.hidden_size
 
 
 def flops_per_token(model: ModelConfig, vocab_size: int) -> float:
     """Training FLOPs per token (forward and backward)."""
-    attention = 12 * model.num_layers * model.seq_length * model.hidden_size
-    return 6 * matmul_weights(model, vocab_size) + attention
+    return 6 * matmul_weights(model, vocab_size) + attention_flops_per_token(model)
+
+
+def recompute_flops_per_token(model: ModelConfig, recompute: str) -> float:
+    """FLOPs per token that train.activation_checkpointing adds: full reruns every
+    decoder layer's forward (a third of its training FLOPs), selective only the attention
+    scores and weighted sums (the matmuls of the attention core)."""
+    if recompute == "full":
+        layers = 6 * model.num_layers * layer_matmul_weights(model)
+        return (layers + attention_flops_per_token(model)) / 3
+    if recompute == "selective":
+        return attention_flops_per_token(model) / 3
+    return 0.0
 
 
 def peak_tflops(device: torch.device, configured: float | None) -> float | None:
@@ -46,5 +73,7 @@ def peak_tflops(device: torch.device, configured: float | None) -> float | None:
         return configured
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_DENSE_BF16_TFLOPS.items() if k in name), None)

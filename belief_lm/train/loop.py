@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from belief_lm.checkpoint.files import CheckpointError
-from belief_lm.config import Config
-from belief_lm.model.gpt import padded_vocab_size
+from belief_lm.config import Config, padded_vocab_size
 from belief_lm.parallel import env as process_env
 from belief_lm.parallel.collectives import on_rank_zero, rank_zero_first
 from belief_lm.parallel.dims import Layout

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from belief_lm.config import ModelConfig, load_config
-from belief_lm.model.gpt import BeliefLM, padded_vocab_size
+from belief_lm.config import ModelConfig, load_config, padded_vocab_size
+from belief_lm.model.attention_layer import FamilyCoreAttention
+from belief_lm.model.gpt import BeliefLM, DecoderLayer, set_activation_recompute
 from belief_lm.parallel.gather import count_model_parameters
 from belief_lm.variants import VARIANTS
 
@@ -115,3 +116,43 @@ def test_vocab_padding():
         padded_vocab_size(60000, llama, 1)
     with pytest.raises(ValueError, match=r"vocabulary \(4224\) is not divisible by the tensor"):
         padded_vocab_size(4097, tiny, 5)
+
+
+@pytest.mark.parametrize("variant", ["softmax", "belief_star", "attention_bn_sh"])
+def test_recompute_gives_the_same_gradients(variant, monkeypatch):
+    """train.activation_checkpointing: selective reruns each layer's attention core in
+    backward, full each whole layer; both give the loss and every gradient of storing
+    everything (fp32)."""
+    calls = {"layer": 0, "core": 0}
+
+    def counting(cls, name, key):
+        original = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            calls[key] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    counting(DecoderLayer, "_forward", "layer")
+    counting(FamilyCoreAttention, "_attend", "core")
+    cfg = tiny_model(variant)
+    rows = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for mode in ("none", "selective", "full"):
+        model = BeliefLM(cfg, 256, seed=3)
+        set_activation_recompute(model, mode)
+        calls.update(layer=0, core=0)
+        loss = model(rows[:, :-1], rows[:, 1:])
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results[mode] = (loss.detach(), grads, dict(calls))
+    layers = cfg.num_layers
+    assert results["none"][2] == {"layer": layers, "core": layers}
+    assert results["selective"][2] == {"layer": layers, "core": 2 * layers}
+    assert results["full"][2] == {"layer": 2 * layers, "core": 2 * layers}
+    loss, grads, _ = results["none"]
+    for mode in ("selective", "full"):
+        torch.testing.assert_close(results[mode][0], loss, rtol=1e-6, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(results[mode][1][name], grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -3,7 +3,12 @@ import torch
 
 from belief_lm.config import load_config
 from belief_lm.model.gpt import BeliefLM
-from belief_lm.train.flops import flops_per_token, matmul_weights, peak_tflops
+from belief_lm.train.flops import (
+    flops_per_token,
+    matmul_weights,
+    peak_tflops,
+    recompute_flops_per_token,
+)
 from belief_lm.variants import VARIANTS
 
 
@@ -38,3 +43,15 @@ def test_flops_per_token_and_peak():
 def test_peak_of_a_gpu_by_its_name(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
     assert peak_tflops(torch.device("cuda", 0), None) == peak
+
+
+def test_recompute_adds_a_forward_of_what_it_recomputes():
+    """full: every layer's forward again (its matmuls' 2 FLOPs per weight and token, the
+    attention's 4 x seq x hidden); selective: the attention's forward only."""
+    cfg = load_config("configs/model/llama-188m.yaml", ["model.attention=belief_star"]).model
+    layers, seq, hidden = cfg.num_layers, cfg.seq_length, cfg.hidden_size
+    per_layer = matmul_weights(cfg, 0) // layers  # the head's weights counted at vocab 0
+    assert recompute_flops_per_token(cfg, "none") == 0
+    assert recompute_flops_per_token(cfg, "selective") == 4 * layers * seq * hidden
+    full = layers * (2 * per_layer + 4 * seq * hidden)
+    assert recompute_flops_per_token(cfg, "full") == pytest.approx(full)

@@ -1,0 +1,576 @@
+"""The layout planner behind `belief-lm plan`: memory per GPU and step time of a run at
+every layout of N GPUs, without torch (it answers on a login node in a second).
+
+For each layout pre-flight accepts (preflight.check_layout: tensor x pipeline x data,
+ZeRO stage, micro-batch) and each activation recompute mode, it predicts the bytes one
+GPU's torch allocator holds at its peak (what torch.cuda.max_memory_allocated reports):
+
+- weights, gradients and optimizer state as DeepSpeed 0.19 keeps them for that ZeRO stage
+  and precision (bf16 weights, fp32 masters and Adam moments partitioned over data
+  parallelism from ZeRO-1; fp32 throughout on a CPU), its reduce bucket (ZeRO 1-3:
+  `reduce_bucket_size` elements, 5e8 unless configured), the optimizer step's temporaries;
+- activations per decoder layer, counted from what autograd keeps for backward in this
+  code (belief_star's Δ, Δ^s, the [Δ, Δ^s] input of W^o/W^s and, in bf16, the fp32 copies
+  its inner products take), under none / selective / full recompute, times the
+  micro-batches a pipeline stage holds (1F1B), plus the loss's fp32 softmax over the
+  vocabulary on the last stage;
+
+and the step time: FLOPs (belief_lm.train.flops, recompute included) at a stated fraction
+of the GPU's peak, the pipeline bubble, and the tensor-, data- and pipeline-parallel
+traffic at a stated bandwidth, not overlapped with compute (an upper bound). The memory
+model is checked against allocations measured on CPU by bench/memory.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from belief_lm.config import Config, ModelConfig, padded_vocab_size
+from belief_lm.preflight import check_layout
+from belief_lm.train.flops import (
+    flops_per_token,
+    layer_matmul_weights,
+    recompute_flops_per_token,
+)
+from data_pipeline.tokenizer import Tokenizer
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's zero_optimization.reduce_bucket_size default (0.19): ZeRO 1-2 allocate a
+bucket of it for gradients in each backward, ZeRO-3 once at start-up (a test holds it to
+DeepSpeed's own default)."""
+
+ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
+"""The gradient elements DeepSpeed's ZeRO-0 engine flattens at once to all-reduce them
+(buffered_allreduce_fallback's default; held to it by a test)."""
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The GPUs a plan is for, and the rates its step times assume."""
+
+    gpus: int
+    memory_gb: float
+    """Memory of one GPU."""
+    gpus_per_node: int = 8
+    peak_tflops: float = 989.0
+    """Peak dense TFLOP/s of one GPU in the run's precision (H100 SXM bf16)."""
+    mfu: float = 0.4
+    """Fraction of the peak the GPU reaches on the FLOPs it runs (recompute's included)."""
+    bandwidth_gbs: float = 300.0
+    """Collective bus bandwidth within a node, GB/s (NVLink)."""
+    inter_node_bandwidth_gbs: float = 40.0
+    """Bus bandwidth per GPU between nodes, GB/s (e.g. 400 Gb/s InfiniBand)."""
+    reserve_gb: float = 2.0
+    """Memory a GPU needs beyond the allocator's peak: CUDA context, NCCL buffers,
+    fragmentation of the caching allocator."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: how the GPUs split, how much each keeps, what it recomputes."""
+
+    tensor: int
+    pipeline: int
+    data: int
+    zero_stage: int
+    micro_batch: int
+    recompute: str
+    accumulation: int
+    """Micro-batches per optimizer step on each data-parallel rank."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the most loaded GPU (its pipeline stage)."""
+
+    stage: int
+    parameters: int
+    """Parameters this GPU holds (its tensor shard of its stage)."""
+    weights: float
+    gradients: float
+    optimizer: float
+    """fp32 masters and Adam moments (this GPU's partition of them)."""
+    buffers: float
+    """DeepSpeed's reduce bucket and flat all-reduce copies, the optimizer step's
+    temporaries (the largest of them alive at the peak)."""
+    resident: float
+    """Held through forward and backward: weights, optimizer state (and ZeRO-3's gradient
+    partition and bucket)."""
+    activations: float
+    """Kept for backward at the end of the forward: every in-flight micro-batch's layers,
+    the loss."""
+    recomputed: float
+    """Rebuilt in backward by recompute, one layer's (or attention core's) at a time."""
+    peak: float
+    """The allocator's peak: the largest of the phases (backward start, end of backward,
+    optimizer step, start-up)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A layout's predicted memory and speed."""
+
+    layout: Layout
+    memory: Memory
+    fits: bool
+    step_time_s: float
+    compute_s: float
+    communication_s: float
+    tokens_per_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(
+    cfg: Config,
+    machine: Machine,
+    vocab_size: int,
+    max_micro_batch: int = 64,
+    recompute: tuple[str, ...] = RECOMPUTE_MODES,
+) -> list[Estimate]:
+    """Every layout of machine.gpus that pre-flight accepts (TP within a node), each
+    recompute mode: fitting ones first, fastest first."""
+    bf16 = cfg.train.precision != "fp32"  # auto is bf16 on a GPU
+    estimates = []
+    for layout in layouts(cfg, machine, vocab_size, max_micro_batch, recompute):
+        estimates.append(estimate(cfg, layout, machine, vocab_size, bf16))
+    # equally fast (the model has no micro-batch efficiency): the larger micro-batch first
+    # (bigger matmuls, fewer accumulation steps), then the leaner
+    return sorted(
+        estimates,
+        key=lambda e: (not e.fits, -e.tokens_per_s, -e.layout.micro_batch, e.memory.peak),
+    )
+
+
+def layouts(
+    cfg: Config,
+    machine: Machine,
+    vocab_size: int,
+    max_micro_batch: int = 64,
+    recompute: tuple[str, ...] = RECOMPUTE_MODES,
+):
+    """Each layout of machine.gpus that belief-lm would run (pre-flight's rules)."""
+    gpus = machine.gpus
+    for tensor in _divisors(gpus):
+        if tensor > machine.gpus_per_node or vocab_size % tensor:
+            continue  # TP stays within a node; the vocabulary is split over TP ranks
+        for pipeline in _divisors(gpus // tensor):
+            for zero in (0, 1, 2, 3):
+                for micro in range(1, max_micro_batch + 1):
+                    # copies without validation: pre-flight's checks below are the test
+                    parallel = {"tensor": tensor, "pipeline": pipeline, "zero_stage": zero}
+                    trial = cfg.model_copy(
+                        update={
+                            "parallel": cfg.parallel.model_copy(update=parallel),
+                            "train": cfg.train.model_copy(update={"micro_batch_size": micro}),
+                        }
+                    )
+                    try:
+                        dims, accumulation = check_layout(trial, gpus)
+                    except ValueError:
+                        continue
+                    for mode in recompute:
+                        yield Layout(tensor, pipeline, dims.data, zero, micro, mode, accumulation)
+
+
+def run_vocab_size(cfg: Config) -> int:
+    """The embedding rows the run will have: model.vocab_size, or its tokenizer's
+    vocabulary (the file's, or data.tokenizer.vocab_size pieces trained) padded."""
+    tokenizer = cfg.data.tokenizer
+    pieces = tokenizer.vocab_size
+    if cfg.model.vocab_size is None and tokenizer.path is not None:
+        pieces = Tokenizer(tokenizer.path).vocab_size
+    return padded_vocab_size(pieces, cfg.model, 1)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+def stage_layers(num_layers: int, stages: int) -> list[int]:
+    """Decoder layers of each pipeline stage, as DeepSpeed's PipelineModule splits them
+    (partition_method type:DecoderLayer): as even as possible, the first stages taking
+    one more when they do not divide."""
+    base, extra = divmod(num_layers, stages)
+    return [base + (1 if s < extra else 0) for s in range(stages)]
+
+
+def layer_parameters(model: ModelConfig, tensor: int) -> int:
+    """One decoder layer's parameters on one tensor-parallel rank: the matmul weights
+    sharded, norms (and the biases of row-parallel outputs) replicated."""
+    hidden, ffn = model.hidden_size, model.ffn_size
+    norms = 2 * hidden * (2 if model.normalization == "LayerNorm" else 1)
+    params = layer_matmul_weights(model) // tensor + norms
+    if model.bias:
+        qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim
+        fc1 = ffn * (2 if model.activation == "swiglu" else 1)
+        params += (qkv + fc1) // tensor + 2 * hidden  # W^o's and fc2's biases replicated
+    return params
+
+
+def stage_parameters(model: ModelConfig, vocab_size: int, tensor: int, pipeline: int) -> list[int]:
+    """Parameters one tensor-parallel rank of each pipeline stage holds: its layers, the
+    embedding on the first stage, the final norm and output layer on the last (with tied
+    embeddings and a pipeline, the last stage holds its own copy of the embedding)."""
+    hidden = model.hidden_size
+    embedding = vocab_size // tensor * hidden
+    if model.position_embedding == "learned_absolute":
+        embedding += model.seq_length * hidden
+    head = hidden * (2 if model.normalization == "LayerNorm" else 1)
+    if not model.tie_embeddings or pipeline > 1:
+        head += vocab_size // tensor * hidden
+    per_layer = layer_parameters(model, tensor)
+    counts = [n * per_layer for n in stage_layers(model.num_layers, pipeline)]
+    counts[0] += embedding
+    counts[-1] += head
+    return counts
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def layer_activations(model: ModelConfig, tensor: int, recompute: str, bf16: bool) -> float:
+    """Bytes per token one decoder layer keeps for backward on one tensor-parallel rank.
+
+    Counted from what autograd saves in this model (megatron's local layer spec with
+    FamilyCoreAttention; no sequence parallelism, so the norms' tensors are replicated):
+    RMSNorm keeps an fp32 copy of its input, its fp32 normalized value and its output
+    (torch's composite kernel; LayerNorm only its input and output), so the layer input
+    and the residual sum are kept through the norms; the QKV output (V is a view of it),
+    RoPE's rotated Q and K, the attention core's tensors, the MLP's (SwiGLU: fc1's output,
+    SiLU's, the product; GELU: fc1's and GELU's). Full recompute keeps the layer's input
+    only; selective keeps the core's inputs and output and drops what is inside it.
+    """
+    size = 2 if bf16 else 4
+    wide = 4 // size  # an fp32 copy in units of the model's dtype
+    hidden = model.hidden_size
+    if recompute == "full":
+        return hidden * size
+    q = model.num_attention_heads // tensor * model.head_dim
+    kv = model.query_groups // tensor * model.head_dim
+    rms = model.normalization == "RMSNorm"
+    norms = 2 * hidden * ((2 * wide + 1) if rms else 2)
+    qkv = q + 2 * kv
+    rope = q + kv if model.position_embedding == "rope" else 0
+    core = _core_activations(model, q, recompute, wide)
+    ffn = model.ffn_size // tensor
+    mlp = (5 if model.activation == "swiglu" else 2) * ffn
+    fp32_small = model.num_attention_heads // tensor + (2 if rms else 4)  # lse, norm stats
+    return (norms + qkv + rope + core + mlp) * size + 4 * fp32_small
+
+
+def _core_activations(model: ModelConfig, q: int, recompute: str, wide: int) -> float:
+    """Elements per token FamilyCoreAttention keeps beyond its inputs (Q, K, V): SDPA's
+    output (flash kernels keep no score matrix) and the variant's residual signal; with
+    selective recompute only the output it returns."""
+    variant = model.attention
+    output = 2 * q if variant == "belief_star" else q
+    if recompute == "selective":
+        return output
+    extra = {
+        # belief: V per head and Δ; in bf16 the inner products' fp32 copies of MH and V
+        # (twice V: _inner_products and _remove_component each widen it) instead of V
+        "belief": (2 if wide == 1 else 3 * wide + 1) * q,
+        # belief_star: the same for the global and the per-head projection, and the
+        # concatenated [Δ, Δ^s] that W^o and W^s read
+        "belief_star": (3 if wide == 1 else 6 * wide + 2) * q,
+        "attentionx": q,  # Φ = γV - H
+        # recentred queries are a new tensor where RoPE's are not already one
+        "attention_bn": q if model.position_embedding != "rope" else 0,
+    }.get(variant, 0)
+    return q + extra
+
+
+def head_activations(model: ModelConfig, vocab_size: int, tensor: int, bf16: bool) -> float:
+    """Bytes per token the last stage keeps after the layers: the final norm's tensors and
+    the loss's fp32 softmax over this rank's vocabulary (megatron's vocab-parallel cross
+    entropy works in place on the fp32 logits; bf16 logits are dropped once copied)."""
+    size = 2 if bf16 else 4
+    norm = model.hidden_size * ((2 * (4 // size) + 1) if model.normalization == "RMSNorm" else 2)
+    return norm * size + vocab_size // tensor * 4
+
+
+# --------------------------------------------------------------------------------- memory
+
+
+def memory(
+    cfg: Config, layout: Layout, vocab_size: int, bf16: bool, stage: int | None = None
+) -> Memory:
+    """Peak bytes on one GPU of `stage` (None: the most loaded stage)."""
+    if stage is None:
+        stages = [memory(cfg, layout, vocab_size, bf16, s) for s in range(layout.pipeline)]
+        return max(stages, key=lambda m: m.peak)
+    model = cfg.model
+    params = stage_parameters(model, vocab_size, layout.tensor, layout.pipeline)[stage]
+    layers = stage_layers(model.num_layers, layout.pipeline)[stage]
+    tokens = layout.micro_batch * model.seq_length
+    last = stage == layout.pipeline - 1
+    # 1F1B: stage s holds the activations of up to (stages - s) micro-batches
+    in_flight = min(layout.pipeline - stage, layout.accumulation)
+    per_layer = layer_activations(model, layout.tensor, layout.recompute, bf16)
+    layer_activation = in_flight * tokens * layers * per_layer
+    head = tokens * head_activations(model, vocab_size, layout.tensor, bf16) if last else 0.0
+    if last and layout.pipeline > 1:
+        # DeepSpeed's pipeline engine keeps each stage's outputs in its pipe buffers, two
+        # on the last stage: the logits of this micro-batch and of the one before
+        head += 2 * tokens * vocab_size // layout.tensor * (2 if bf16 else 4)
+    largest = _largest_tensor(model, vocab_size, layout.tensor)
+    state = _optimizer_state(params, layout, bf16, largest)
+    held = (
+        state.resident
+        + (state.accumulated_grads if layout.accumulation > 1 else 0.0)
+        + state.backward_buffers
+        + layer_activation
+    )
+    # backward starts with the loss: in bf16 the logits' gradient (the fp32 softmax's,
+    # cast), then the output layer's weight gradient (ZeRO 1-2 copy it into their bucket,
+    # allocated before it)
+    weight_grad = 0.0
+    if last and layout.zero_stage in (0, 3):
+        weight_grad = vocab_size // layout.tensor * model.hidden_size * state.grad_bytes
+    logits_grad = tokens * vocab_size // layout.tensor * 2 if last and bf16 else 0.0
+    backward = held + head + logits_grad + weight_grad
+    # recompute then rebuilds one layer's (or attention core's) tensors at a time, the
+    # loss's already freed
+    transient = 0.0
+    if layout.recompute != "none":
+        whole = layer_activations(model, layout.tensor, "none", bf16)
+        transient = tokens * (whole - per_layer)
+        backward = max(backward, held + transient + weight_grad)
+    # backward ends with every gradient and, for a tied embedding in one stage, two more
+    # of its size: the embedding's own gradient and its sum with the output layer's
+    tied = 0.0
+    if model.tie_embeddings and layout.pipeline == 1 and layout.zero_stage < 3:
+        tied = 2 * vocab_size // layout.tensor * model.hidden_size * state.grad_bytes
+    autograd_end = state.resident + state.backward_buffers + state.autograd_grads + tied
+    peak = max(backward, autograd_end, state.end_of_backward, state.step, state.startup)
+    return Memory(
+        stage=stage,
+        parameters=params,
+        weights=state.weights,
+        gradients=state.gradients,
+        optimizer=state.optimizer,
+        buffers=state.buffers,
+        resident=state.resident,
+        activations=layer_activation + head,
+        recomputed=transient,
+        peak=peak,
+    )
+
+
+def _largest_tensor(model: ModelConfig, vocab_size: int, tensor: int) -> int:
+    """Elements of the largest parameter on a rank (for per-tensor optimizer temporaries)."""
+    ffn = model.ffn_size * (2 if model.activation == "swiglu" else 1)
+    return max(vocab_size // tensor * model.hidden_size, ffn // tensor * model.hidden_size)
+
+
+@dataclass(frozen=True)
+class _State:
+    """What DeepSpeed holds besides activations, and the peaks of the phases without them."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    grad_bytes: int
+    """Bytes of one gradient element as backward writes it."""
+    resident: float
+    """Held through forward and backward (weights, optimizer state, ZeRO-3's buffers)."""
+    accumulated_grads: float
+    """Gradients kept from one micro-batch to the next when accumulating."""
+    backward_buffers: float
+    """Allocated as backward starts (ZeRO 1-2's reduce bucket and gradient partition)."""
+    autograd_grads: float
+    """Gradients autograd leaves in the parameters (ZeRO-0) when backward ends."""
+    buffers: float
+    """DeepSpeed's buffers and the step's temporaries, the largest alive at once."""
+    end_of_backward: float
+    step: float
+    startup: float
+
+
+def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _State:
+    """DeepSpeed 0.19's engines, as their code allocates and bench/memory.py measured:
+
+    - ZeRO-0, fp32: the torch optimizer on the module's parameters: fp32 gradients and
+      moments; the gradient all-reduce (even at DP=1) flattens up to 5e8 of them at once.
+    - ZeRO-0, bf16 without a pipeline: DeepSpeed's unfused fp16 optimizer in bf16 (an fp32
+      copy of every weight; each step copies the bf16 gradients to fp32); with a pipeline
+      its BF16_Optimizer (fp32 masters and moments partitioned over data parallelism, an
+      fp32 gradient accumulation buffer).
+    - ZeRO 1-2: weights flattened in place; fp32 masters, moments and the reduced gradient
+      partition are this rank's 1/DP; in each backward a reduce bucket of 5e8 elements and
+      the gradients (ZeRO-1: all of them, ZeRO-2: the partition's; in the model's dtype)
+      are allocated at the first gradient.
+    - ZeRO-3: weights, fp32 masters and the fp32 gradient partition are 1/DP; the bucket
+      is allocated at start-up and kept.
+
+    The optimizer step (torch AdamW, for_loop) takes temporaries of about three fp32
+    copies of the tensor it updates (the flat partition from ZeRO-1), twice the largest
+    parameter at ZeRO-0."""
+    data, zero = layout.data, layout.zero_stage
+    size = 2 if bf16 else 4
+    weights = params * size
+    bucket = REDUCE_BUCKET_ELEMENTS * size
+    flat = size * min(params, ALLREDUCE_BUCKET_ELEMENTS)
+    if zero == 0 and (not bf16 or layout.pipeline == 1):
+        grads = float(size * params)
+        # fp32: Adam's moments; bf16 (unfused fp16 optimizer): an fp32 copy too
+        opt = (8.0 if not bf16 else 12.0) * params
+        fp32_grads = 4.0 * params if bf16 else 0.0  # copied from bf16 at each step
+        resident = weights + opt
+        return _State(
+            weights, grads, opt, size, resident, accumulated_grads=grads, backward_buffers=0.0,
+            autograd_grads=grads, buffers=max(flat, fp32_grads + 2 * 4.0 * largest),
+            end_of_backward=resident + grads + flat,
+            step=resident + grads + fp32_grads + 2 * 4.0 * largest,
+            startup=resident + fp32_grads,
+        )  # fmt: skip
+    if zero == 0:  # bf16 with a pipeline: BF16_Optimizer
+        grads, opt = 6.0 * params, 12.0 * params / data  # bf16 + fp32 accumulation
+        resident = weights + opt + 4.0 * params
+        return _State(
+            weights, grads, opt, size, resident, accumulated_grads=0.0, backward_buffers=0.0,
+            autograd_grads=2.0 * params, buffers=3 * 4.0 * params / data,
+            end_of_backward=resident + 2.0 * params,
+            step=resident + 2.0 * params + 3 * 4.0 * params / data,
+            startup=resident,
+        )  # fmt: skip
+    partition = params / data
+    opt = 12.0 * partition  # fp32 master + moments
+    temps = 3 * 4.0 * partition
+    if zero in (1, 2):
+        grads = size * partition  # the reduced partition, in the model's dtype
+        resident = weights + opt
+        # under a pipeline the gradient reduction allocates a second bucket of its own
+        buckets = bucket * (2 if layout.pipeline > 1 else 1)
+        # ZeRO-1 stages every gradient during backward, ZeRO-2 only its partition's
+        staged = size * params if zero == 1 else grads
+        return _State(
+            weights, grads, opt, size, resident, accumulated_grads=0.0,
+            backward_buffers=buckets + staged, autograd_grads=0.0, buffers=max(buckets, temps),
+            end_of_backward=resident + grads,
+            step=resident + grads + temps,
+            startup=weights + 4.0 * partition,
+        )  # fmt: skip
+    weights = size * partition  # ZeRO-3
+    grads = 4.0 * partition
+    resident = weights + opt + grads + bucket
+    return _State(
+        weights, grads, opt, size, resident, accumulated_grads=0.0, backward_buffers=0.0,
+        autograd_grads=0.0, buffers=bucket + temps,
+        end_of_backward=resident,
+        step=resident + temps,
+        startup=resident - 8.0 * partition,  # the moments appear at the first step
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ step time
+
+
+def estimate(
+    cfg: Config, layout: Layout, machine: Machine, vocab_size: int, bf16: bool
+) -> Estimate:
+    """Memory and step time of one layout."""
+    mem = memory(cfg, layout, vocab_size, bf16)
+    compute, communication = step_time(cfg, layout, machine, vocab_size, bf16)
+    seconds = compute + communication
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    fits = mem.peak + machine.reserve_gb * GB <= machine.memory_gb * GB
+    return Estimate(layout, mem, fits, seconds, compute, communication, tokens / seconds)
+
+
+def step_time(
+    cfg: Config, layout: Layout, machine: Machine, vocab_size: int, bf16: bool
+) -> tuple[float, float]:
+    """(compute, communication) seconds of one optimizer step on every GPU.
+
+    Compute: the step's FLOPs (recompute included) split evenly over the GPUs, at
+    machine.mfu of the peak, stretched by 1F1B's bubble ((m + p - 1) / m for m
+    micro-batches over p stages). Communication, not overlapped with compute: per
+    micro-batch and layer two all-reduces of the [seq, micro, hidden] activations forward
+    and two backward (Megatron's tensor parallelism without sequence parallelism; two more
+    with full recompute), belief's [seq, micro, 2] inner products; per step the gradient
+    reduction over data parallelism (an all-reduce's volume; ZeRO-2 reduce-scatters every
+    micro-batch, ZeRO-3 also gathers the weights for each forward and backward); the
+    stage boundaries' activations and their gradients. A collective within a node runs at
+    machine.bandwidth_gbs, one across nodes at machine.inter_node_bandwidth_gbs.
+    """
+    model = cfg.model
+    size = 2 if bf16 else 4
+    gpus = layout.tensor * layout.pipeline * layout.data
+    tokens = cfg.train.global_batch_size * model.seq_length
+    flops = tokens * (
+        flops_per_token(model, vocab_size) + recompute_flops_per_token(model, layout.recompute)
+    )
+    micro = layout.accumulation
+    bubble = (micro + layout.pipeline - 1) / micro
+    compute = flops / gpus / (machine.peak_tflops * 1e12 * machine.mfu) * bubble
+
+    per_node = machine.gpus_per_node
+    within = machine.bandwidth_gbs * GB
+    across = machine.inter_node_bandwidth_gbs * GB
+    activation = layout.micro_batch * model.seq_length * model.hidden_size * size
+    layers = stage_layers(model.num_layers, layout.pipeline)[0]
+    tp = 0.0
+    if layout.tensor > 1:
+        per_layer = 6 if layout.recompute == "full" else 4
+        belief = model.attention in ("belief", "belief_star")
+        small = layout.micro_batch * model.seq_length * 2 * 4 if belief else 0
+        volume = layers * (per_layer * activation + 2 * small) + 2 * activation  # + embedding
+        tp = micro * _all_reduce(volume, layout.tensor, within)
+    dp = 0.0
+    if layout.data > 1:
+        params = max(stage_parameters(model, vocab_size, layout.tensor, layout.pipeline))
+        grads = params * size
+        bandwidth = within if layout.tensor * layout.data <= per_node else across
+        share = (layout.data - 1) / layout.data
+        # reduce-scatter + all-gather: an all-reduce's volume, once per step
+        times = {0: 2.0, 1: 2.0, 2: micro + 1.0, 3: 3.0 * micro}[layout.zero_stage]
+        dp = times * share * grads / bandwidth
+    pp = 0.0
+    if layout.pipeline > 1:
+        bandwidth = within if gpus <= per_node else across
+        pp = 2 * micro * activation / bandwidth
+    return compute, tp + dp + pp
+
+
+def _all_reduce(volume: float, ranks: int, bandwidth: float) -> float:
+    """Seconds of a ring all-reduce of `volume` bytes at a bus bandwidth."""
+    return 2 * (ranks - 1) / ranks * volume / bandwidth
+
+
+# --------------------------------------------------------------------------------- output
+
+
+def table(estimates: list[Estimate], top: int) -> str:
+    """The best `top` layouts that fit, as a text table (GB are 10^9 bytes): one row per
+    split and recompute mode, at its best micro-batch (the first in `estimates`' order)."""
+    header = (
+        f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'ZeRO':>4} {'micro':>5} {'accum':>5} "
+        f"{'recompute':>9} {'weights':>7} {'grads':>6} {'optim':>6} {'buffers':>7} "
+        f"{'activ':>6} {'peak GB':>7} {'step s':>7} {'tokens/s':>10}"
+    )
+    lines, best = [header], {}
+    for e in estimates:
+        lay = e.layout
+        key = (lay.tensor, lay.pipeline, lay.data, lay.zero_stage, lay.recompute)
+        if e.fits and key not in best:
+            best[key] = e
+    for rank, e in enumerate(list(best.values())[:top], start=1):
+        lay, mem = e.layout, e.memory
+        lines.append(
+            f"{rank:>3} {lay.tensor:>3} {lay.pipeline:>3} {lay.data:>4} {lay.zero_stage:>4} "
+            f"{lay.micro_batch:>5} {lay.accumulation:>5} {lay.recompute:>9} "
+            f"{mem.weights / GB:>7.2f} {mem.gradients / GB:>6.2f} {mem.optimizer / GB:>6.2f} "
+            f"{mem.buffers / GB:>7.2f} {(mem.activations + mem.recomputed) / GB:>6.2f} "
+            f"{mem.peak / GB:>7.2f} {e.step_time_s:>7.2f} {e.tokens_per_s:>10,.0f}"
+        )
+    return "\n".join(lines)
