@@ -93,12 +93,13 @@ def pipeline_run(data: DataConfig, tokenizer, tokens: int, seq_len: int, batch: 
         steps.next_step()
         if i % 10 == 0:
             rss = max([rss, *(w.memory_info().rss for w in workers)])
-    steps.close()
+    wall, cpu = time.perf_counter() - first, _cpu_seconds(workers) - cpu
+    steps.close()  # (the workers exit: their CPU time is read before)
     streamed = (n - 1) * batch * (seq_len + 1)
     return {
         "startup_s": first - start,
-        "tokens_per_s": streamed / (time.perf_counter() - first),
-        "tokens_per_cpu_s": streamed / (_cpu_seconds(workers) - cpu),
+        "tokens_per_s": streamed / wall,
+        "tokens_per_cpu_s": streamed / cpu,
         "max_worker_rss_mb": rss / 2**20,
     }
 

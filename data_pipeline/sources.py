@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,6 +48,10 @@ EMBEDDED_UNIT = 16
 """Documents per unit of the embedded corpus."""
 PARQUET_BATCH = 64
 """Rows decoded at a time from a parquet row group."""
+PART_CACHE_BYTES = 256 * 2**20
+"""Decoded row groups a process keeps while readers read them in parts (a corpus with fewer
+row groups than the run has units: a small one). Parquet cannot seek to a row, so each part
+would decode its group again from the first row."""
 CHECKED_LINES = 100
 """Lines of a JSON lines file the pre-flight reads for its columns."""
 RETRIES = 3
@@ -300,9 +305,19 @@ def _cut(units: list[Unit], pieces: int) -> list[Unit]:
 
 def _parquet_rows(path: str, unit: Unit, columns: list[str], skip: int) -> Iterator:
     """Rows [unit.start + skip, unit.stop) of one row group, decoded PARQUET_BATCH at a time
-    (rows before the range are decoded and dropped: parquet cannot seek to a row)."""
+    (rows before the range are decoded and dropped: parquet cannot seek to a row); a part
+    of a row group from the group decoded once (PART_CACHE_BYTES)."""
     first, position = unit.start + skip, 0
-    batches = _parquet_file(path).iter_batches(
+    parquet = _parquet_file(path)
+    group = parquet.metadata.row_group(unit.group)
+    if unit.stop - unit.start < group.num_rows and group.total_byte_size <= PART_CACHE_BYTES:
+        table = _decoded_group(path, parquet, unit.group, tuple(columns))
+        for start in range(first, unit.stop, PARQUET_BATCH):
+            rows = table.slice(start, min(PARQUET_BATCH, unit.stop - start)).to_pylist()
+            for index, row in enumerate(rows, start):
+                yield row, f"{path} row group {unit.group} row {index}"
+        return
+    batches = parquet.iter_batches(
         batch_size=PARQUET_BATCH, row_groups=[unit.group], columns=columns
     )
     for batch in batches:
@@ -316,6 +331,20 @@ def _parquet_rows(path: str, unit: Unit, columns: list[str], skip: int) -> Itera
         position = end
         if position >= unit.stop:
             return
+
+
+_PARTS: OrderedDict[tuple, pa.Table] = OrderedDict()
+"""Row groups read in parts, decoded: (path, group, columns) -> table, least recent first."""
+
+
+def _decoded_group(path: str, parquet: pq.ParquetFile, group: int, columns: tuple) -> pa.Table:
+    key = (path, group, columns)
+    if key not in _PARTS:
+        _PARTS[key] = parquet.read_row_group(group, columns=list(columns))
+        while len(_PARTS) > 1 and sum(t.nbytes for t in _PARTS.values()) > PART_CACHE_BYTES:
+            _PARTS.popitem(last=False)
+    _PARTS.move_to_end(key)
+    return _PARTS[key]
 
 
 def _parquet_file(path: str) -> pq.ParquetFile:

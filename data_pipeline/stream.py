@@ -307,7 +307,7 @@ class SourceStream:
         )
         added = 0
         for i, ((_, unit, row, before), tokens) in enumerate(zip(batch, ids, strict=True)):
-            array = np.asarray(tokens, dtype=np.int32)
+            array = np.fromiter(tokens, np.int32, count=len(tokens))  # (faster than asarray)
             offset = skip_tokens if i == 0 else 0
             # the counts before this row: restoring here re-reads (and re-counts) it
             pending.append([array[offset:], unit, row, before, offset])

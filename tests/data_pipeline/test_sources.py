@@ -182,3 +182,26 @@ def test_filter_syntax_is_checked_with_the_config(bad):
         ConfigError, match=r"data\.sources\.0\.filters: filter .* is not 'COLUMN OP"
     ):
         load_config(None, [f"data.sources=[{{uri: x.parquet, filters: ['{bad}']}}]"])
+
+
+def test_a_row_group_read_in_parts_is_decoded_once(tmp_path, monkeypatch):
+    """A small corpus's row group cut into parts for its readers: every part reads its own
+    rows (a restored position inside a part included), from one decoding of the group."""
+    from data_pipeline import sources
+
+    rows = fineweb_rows(40)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet", row_group_size=40)
+    src = source(str(tmp_path / "a.parquet"), id_column="id")
+    parts = src.units(8)
+    assert len(parts) == 8 and {(p.group, p.stop - p.start) for p in parts} == {(0, 5)}
+    decoded = []
+    read_row_group = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(sources, "_PARTS", type(sources._PARTS)())
+    monkeypatch.setattr(
+        pq.ParquetFile, "read_row_group",
+        lambda self, *a, **k: decoded.append(a) or read_row_group(self, *a, **k),
+    )  # fmt: skip
+    read = [row["id"] for part in parts for row, _ in src.rows(part)]
+    assert read == [row["id"] for row in rows] and len(decoded) == 1
+    row, where = next(src.rows(parts[3], skip=2))
+    assert row["id"] == rows[17]["id"] and where.endswith("row group 0 row 17")
