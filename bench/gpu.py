@@ -64,7 +64,7 @@ ATTENTIONS = ["softmax", "belief", "belief_star"]
 OPTIONS = ["plain=", "fused=model.fused_projections=true"]
 SMOKE_OPTIONS = ["plain=", "foreach_adamw=train.adamw_kernel=foreach"]  # no compile on CPU
 SMOKE_SHAPE = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8",
     "model.ffn_hidden_size=128", "model.seq_length=32", "model.vocab_size=512",
 ]  # fmt: skip
 SDPA_KERNELS = {

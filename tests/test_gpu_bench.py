@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from belief_lm.config import load_config
 from bench import gpu
 from tests.jobs import job_env, run_job
 
@@ -79,9 +80,10 @@ def test_smoke_paper_mode_projects_from_the_measured_rate(tmp_path):
     assert [r["config"] for r in result["runs"]] == configs
     for run in result["runs"]:
         assert run["steps"] == 4 and run["tokens_per_step"] == 2 * 2 * 32
-        projection = run["projection"]
-        assert projection["what"].startswith("PROJECTED") and projection["gpus"] == 8
-        hours = projection["full_run_tokens"] / (run["tokens_per_s"] * 8) / 3600
+        projection, launch = run["projection"], load_config(run["config"]).launch
+        gpus = launch.nodes * launch.gpus_per_node  # the config's own allocation (8 or 32)
+        assert projection["what"].startswith("PROJECTED") and projection["gpus"] == gpus
+        hours = projection["full_run_tokens"] / (run["tokens_per_s"] * gpus) / 3600
         assert projection["hours"] == pytest.approx(hours)
 
 
