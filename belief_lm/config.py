@@ -82,6 +82,11 @@ class ModelConfig(Section):
     fused_projections: bool = False
     """Compile the belief projections with torch.compile (fused kernels, same math; not
     part of the architecture: a checkpoint resumes with either setting)."""
+    fused_output_projection: bool = False
+    """belief_star: compute Δ W^o + Δ^s W^s as one GEMM of [Δ, Δ^s] against [W^o | W^s]
+    (concatenated at each call) instead of two GEMMs and an add; the same sum up to
+    rounding, the same separately named weights (a checkpoint resumes with either setting).
+    The other variants have one output GEMM already."""
     sh_scales: list[PositiveInt] = Field(default_factory=lambda: [1, 1, 2, 4])
     """Attention-SH per-head downsampling factors, repeated across the heads (its length
     must divide num_attention_heads)."""
@@ -233,6 +238,11 @@ class TrainConfig(Section):
     layer's attention core, FamilyCoreAttention: softmax and the belief projections, as
     Megatron's recompute_granularity=selective); full (each whole decoder layer). true and
     false, from older configs, mean full and none."""
+    loss_chunk_tokens: int = Field(0, ge=0)
+    """0: the loss from the whole micro-batch's logits, whose fp32 softmax (4 bytes per
+    token and vocabulary row) is kept for backward; N: the output GEMM and the cross
+    entropy N tokens at a time, recomputed in backward, so nothing vocabulary-sized is
+    kept (the same loss and gradients; the output GEMM runs once more). E.g. 4096."""
     eval_interval: int = Field(0, ge=0)
     """Steps between validation-loss evaluations (and at the last step); 0: never."""
     eval_batches: PositiveInt = 20

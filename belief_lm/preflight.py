@@ -26,7 +26,7 @@ from belief_lm.config import Config
 from belief_lm.parallel.dims import ParallelDims
 
 RUNTIME_ONLY = {
-    "model": {"name", "fused_projections"},
+    "model": {"name", "fused_projections", "fused_output_projection"},
     "data": {"num_workers", "max_skipped_fraction", "skip_check_min_rows", "on_corrupt_row_group"},
 }
 """Keys that do not change the architecture or the data's order (free to differ on resume)."""
@@ -129,6 +129,13 @@ def check_engine_settings(cfg: Config) -> None:
             f"{parallel.pipeline}: DeepSpeed's pipeline engine applies the update inside "
             "train_batch, and the step's loss leaves the last stage only after it, so a "
             "spike cannot be kept from the weights; use action log or stop"
+        )
+    if parallel.pipeline > 1 and cfg.train.loss_chunk_tokens:
+        raise ValueError(
+            f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} cannot be combined with "
+            f"parallel.pipeline={parallel.pipeline}: DeepSpeed's pipeline engine computes the "
+            "loss from the last stage's whole logits (its loss_fn), outside the output "
+            "layer; use train.loss_chunk_tokens=0"
         )
     if parallel.pipeline > model.num_layers:
         raise ValueError(

@@ -3,6 +3,7 @@ of make_checkpoint (tests/conftest.py), and random token ids from the small toke
 
 import torch
 
+from belief_lm.config import ModelConfig, load_config
 from belief_lm.variants import VARIANTS
 
 SMALL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
@@ -36,3 +37,19 @@ VARIANTS_AND_ARCHITECTURES = [(variant, "llama") for variant in VARIANTS] + [
 def tokens(n: int, seed: int = 0, rows: int = 2) -> torch.Tensor:
     """Random ids [rows, n] of the small tokenizer's 400."""
     return torch.randint(0, 400, (rows, n), generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_model(variant: str, **updates) -> ModelConfig:
+    """The tiny preset (RMSNorm, SwiGLU, RoPE, GQA, tied) cut to 2 layers of 32 tokens."""
+    model = load_config("configs/model/tiny.yaml").model
+    return model.model_copy(update={"attention": variant, "num_layers": 2, "seq_length": 32,
+                                    **updates})  # fmt: skip
+
+
+def assert_same(result: tuple, reference: tuple) -> None:
+    """Loss and every gradient equal up to fp32 rounding (sums taken in another order)."""
+    (loss, grads), (ref_loss, ref_grads) = result, reference
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)

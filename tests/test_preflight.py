@@ -34,6 +34,7 @@ def test_a_good_layout_is_worked_out():
         (4, ["parallel.pipeline=2", "parallel.zero_stage=2"], "cannot be combined"),
         (8, ["parallel.pipeline=8"], "exceeds model.num_layers (4)"),
         (2, ["parallel.pipeline=2", "train.spike.action=skip"], "train.spike.action=skip cannot"),
+        (2, ["parallel.pipeline=2", "train.loss_chunk_tokens=512"], "loss_chunk_tokens=512 cannot"),
     ],
 )
 def test_bad_layouts_are_refused_naming_the_options(world, overrides, message):

@@ -7,7 +7,8 @@ RoPE, calls a core attention and feeds its output to `linear_proj`. We supply bo
   optionally recentred (Attention-BN) or on pooled keys (Attention-SH), and returns the
   residual signal of the chosen variant (MH, Δ, [Δ, Δ^s] or Φ) for this rank's heads.
 - `BeliefStarProjection` maps [Δ, Δ^s] to Δ W^o + Δ^s W^s with ONE all-reduce, keeping W^o
-  and W^s separately named and sharded so checkpoints survive a change of TP size.
+  and W^s separately named and sharded so checkpoints survive a change of TP size; with
+  `fused` the two products are one GEMM against [W^o | W^s] (`JointProjection`).
 
 The math itself is in `belief_lm/attention.py`; the only process-group code here is the
 all-reduce handed to the global projection.
@@ -120,22 +121,53 @@ class FamilyCoreAttention(MegatronModule):
         )
 
 
+class JointProjection(torch.autograd.Function):
+    """[Δ, Δ^s] [W^o | W^s]^T as ONE GEMM of depth 2k (k = this rank's head width) instead
+    of two of depth k and an add; backward is also one GEMM for the input's gradient, which
+    comes out already concatenated (two GEMMs leave two halves to copy together), and one
+    for both weights'. The concatenated weight is built per call and rebuilt in backward
+    rather than saved: autograd would otherwise hold a copy of W^o and W^s per layer from
+    forward to backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_o: Tensor, w_s: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w_o, w_s)
+        return F.linear(x, torch.cat((w_o, w_s), dim=1))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, w_o, w_s = ctx.saved_tensors
+        grad_x = grad_w_o = grad_w_s = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ torch.cat((w_o, w_s), dim=1)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grad_w = grad.flatten(0, -2).t() @ x.flatten(0, -2)  # [out, 2k]
+            grad_w_o, grad_w_s = grad_w.chunk(2, dim=1)
+        return grad_x, grad_w_o, grad_w_s
+
+
 class BeliefStarProjection(RowParallelLinear):
     """belief_star's output projection Δ W^o + Δ^s W^s, row-parallel over this rank's heads.
 
     Input is [Δ_r, Δ^s_r] concatenated on the last dim. W^o is `weight` (the name softmax's
     linear_proj uses) and W^s is `w_s.weight`; each is sharded over the same head split, so a
     TP=2 checkpoint merges into a TP=1 one by plain concatenation. The two partial products
-    are summed before the single all-reduce.
+    are summed before the single all-reduce: by two GEMMs and an add, or with `fused`
+    (model.fused_output_projection) by one GEMM against [W^o | W^s] (JointProjection): the
+    same sum up to rounding, the same parameters.
     """
 
-    def __init__(self, input_size: int, output_size: int, **kwargs):
+    def __init__(self, input_size: int, output_size: int, *, fused: bool = False, **kwargs):
         super().__init__(input_size, output_size, **kwargs)
         self.w_s = RowParallelLinear(input_size, output_size, **{**kwargs, "bias": False})
+        self.fused = fused
 
     def forward(self, input_: Tensor) -> tuple[Tensor, Tensor | None]:
-        delta, delta_s = input_.chunk(2, dim=-1)
-        partial = F.linear(delta, self.weight) + F.linear(delta_s, self.w_s.weight)
+        if self.fused:
+            partial = JointProjection.apply(input_, self.weight, self.w_s.weight)
+        else:
+            delta, delta_s = input_.chunk(2, dim=-1)
+            partial = F.linear(delta, self.weight) + F.linear(delta_s, self.w_s.weight)
         output = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
         if self.skip_bias_add:
             return output, self.bias

@@ -2,11 +2,12 @@
 
 Reads top to bottom: token embedding -> decoder layers (megatron TransformerLayer with the
 attention family of `attention_layer.py`) -> final norm -> vocab-parallel output layer ->
-vocab-parallel cross entropy. The three stage types are also the pipeline stages
-(DeepSpeed PipelineModule), so every stage seeds its own initialisation: the initial
-weights depend only on `run.seed`, not on how the model is split over ranks. megatron's
-CPU initialisation draws each full weight and keeps this rank's shard, so tensor
-parallelism does not change them either.
+vocab-parallel cross entropy (`loss.py`; with train.loss_chunk_tokens the output layer
+computes it a chunk of tokens at a time, fused with its GEMM). The three stage types are
+also the pipeline stages (DeepSpeed PipelineModule), so every stage seeds its own
+initialisation: the initial weights depend only on `run.seed`, not on how the model is
+split over ranks. megatron's CPU initialisation draws each full weight and keeps this
+rank's shard, so tensor parallelism does not change them either.
 
 Layout convention (megatron's): activations are [seq, batch, hidden]; tokens and labels
 are [batch, seq].
@@ -30,7 +31,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     copy_to_tensor_model_parallel_region,
-    vocab_parallel_cross_entropy,
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -45,6 +45,7 @@ from belief_lm.model.attention_layer import (
     FamilyCoreAttention,
     core_attention_spec,
 )
+from belief_lm.model.loss import chunked_lm_loss, lm_loss
 from belief_lm.runtime import derived_seed
 from belief_lm.variants import VARIANTS
 
@@ -92,7 +93,8 @@ def decoder_layer_spec(cfg: ModelConfig) -> ModuleSpec:
         cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.fused_projections
     )
     if cfg.attention == "belief_star":
-        attention.linear_proj = BeliefStarProjection
+        fused = cfg.fused_output_projection
+        attention.linear_proj = ModuleSpec(module=BeliefStarProjection, params={"fused": fused})
     return spec
 
 
@@ -209,7 +211,12 @@ def vocab_parallel_logits(hidden: Tensor, weight: Tensor) -> Tensor:
 
 class OutputLayer(ColumnParallelLinear):
     """Last stage: hidden [seq, batch, hidden] -> logits [seq, batch, vocab / TP].
-    With tied embeddings it owns no weight and is handed the embedding's."""
+    With tied embeddings it owns no weight and is handed the embedding's. Given labels
+    (only when `loss_chunk_tokens` is set: see set_loss_chunking) it returns the loss
+    instead, computed chunk by chunk with its GEMM, so the logits never exist whole; inside
+    this module's forward, where ZeRO-3 has gathered its weight."""
+
+    loss_chunk_tokens = 0
 
     def __init__(self, config: TransformerConfig, vocab_size: int, tied: bool, seed: int):
         with seeded_init(seed):
@@ -223,23 +230,21 @@ class OutputLayer(ColumnParallelLinear):
                 skip_weight_param_allocation=tied,
             )
 
-    def forward(self, hidden: Tensor, tied_weight: Tensor | None = None) -> Tensor:  # type: ignore[override]
-        return vocab_parallel_logits(hidden, self.weight if tied_weight is None else tied_weight)
+    def forward(  # type: ignore[override]
+        self, hidden: Tensor, tied_weight: Tensor | None = None, labels: Tensor | None = None
+    ) -> Tensor:
+        weight = self.weight if tied_weight is None else tied_weight
+        if labels is not None:
+            return chunked_lm_loss(hidden, weight, labels, self.loss_chunk_tokens)
+        return vocab_parallel_logits(hidden, weight)
 
 
-IGNORE_INDEX = -100
-"""A label not trained on (padding at an epoch's end): torch's ignore_index convention,
-the value the data pipeline writes (data_pipeline.loader.IGNORE)."""
-
-
-def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean next-token cross entropy of vocab-parallel logits [seq, batch, vocab / TP]
-    against labels [batch, seq], computed in fp32, over the labels that are not
-    IGNORE_INDEX (0 if there are none)."""
-    labels = labels.t().contiguous()
-    losses = vocab_parallel_cross_entropy(logits.float(), labels)
-    trained = labels != IGNORE_INDEX
-    return (losses * trained).sum() / trained.sum().clamp_min(1)
+def set_loss_chunking(model: torch.nn.Module, tokens: int) -> None:
+    """train.loss_chunk_tokens on a model: 0 computes the loss from the whole micro-batch's
+    logits (lm_loss); N > 0 N tokens at a time inside the output layer (chunked_lm_loss)."""
+    for module in model.modules():
+        if isinstance(module, OutputLayer):
+            module.loss_chunk_tokens = tokens
 
 
 def stage_seed(seed: int, stage_index: int) -> int:
@@ -282,7 +287,10 @@ class BeliefLM(MegatronModule):
             for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
                 hidden = layer(hidden, (layer_cache, step))
         tied = self.embedding.word_embeddings.weight if self.model_config.tie_embeddings else None
-        logits = self.output_layer(self.final_norm(hidden), tied)
+        hidden = self.final_norm(hidden)
+        if labels is not None and self.output_layer.loss_chunk_tokens:
+            return self.output_layer(hidden, tied, labels)  # the loss, a chunk at a time
+        logits = self.output_layer(hidden, tied)
         return logits if labels is None else lm_loss(logits, labels)
 
     def decode_cache(self) -> DecodeCache:

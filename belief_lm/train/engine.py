@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from belief_lm.config import Config
-from belief_lm.model.gpt import BeliefLM, set_activation_recompute
+from belief_lm.model.gpt import BeliefLM, set_activation_recompute, set_loss_chunking
 from belief_lm.parallel.dims import Layout
 from belief_lm.parallel.gather import count_model_parameters, counted_once
 from belief_lm.parallel.mpu import MegatronMPU
@@ -135,6 +135,7 @@ def build_engine(
         load_full_state(model, weights, rename)
     model.to(device)
     set_activation_recompute(model, cfg.train.activation_checkpointing)
+    set_loss_chunking(model, cfg.train.loss_chunk_tokens)
     parameters = count_model_parameters(model)  # before ZeRO-3 partitions them away
     for module in model.modules():
         module.register_state_dict_post_hook(_drop_empty_extra_state)

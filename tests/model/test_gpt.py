@@ -8,6 +8,7 @@ from belief_lm.model.attention_layer import FamilyCoreAttention
 from belief_lm.model.gpt import BeliefLM, DecoderLayer, set_activation_recompute
 from belief_lm.parallel.gather import count_model_parameters
 from belief_lm.variants import VARIANTS
+from tests.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
 
@@ -39,10 +40,6 @@ def test_belief_adds_nothing_and_belief_star_adds_w_s(name):
         extra = meta_count(base.model_copy(update={"attention": variant})) - softmax
         expected = base.num_layers * base.hidden_size**2 if variant == "belief_star" else 0
         assert extra == expected, variant
-
-
-def tiny_model(variant: str, **updates) -> ModelConfig:
-    return preset("tiny", attention=variant, num_layers=2, seq_length=32, **updates)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -1,5 +1,5 @@
-"""Tensor-parallel details: the all-reduce's backward, TP=2 weights at TP=1, and the 1B
-preset's layers training at TP=2."""
+"""Tensor-parallel details: the all-reduce's backward, TP=2 weights at TP=1, the opt-in fast
+paths at TP=2, and the 1B preset's layers training at TP=2."""
 
 import json
 import math
@@ -9,7 +9,8 @@ import torch
 
 from belief_lm.model.gpt import BeliefLM
 from tests.jobs import run_cli
-from tests.parallel import driver
+from tests.models import assert_same
+from tests.parallel import driver, fast_paths
 from tests.parallel.conftest import torchrun
 
 
@@ -68,3 +69,19 @@ def test_llama_1b_layers_train_at_tp2(tmp_path, cache_dir):
     assert [r["step"] for r in rows] == [1]
     assert 0 < rows[0]["grad_norm"] < math.inf and rows[0]["memory_gb"] > 0
     assert abs(rows[0]["loss"] - math.log(4096)) < 1.0  # near uniform at initialisation
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_fast_paths_at_tp2(tmp_path):
+    """The fused [W^o | W^s] GEMM and the chunked loss over a vocabulary shard at TP=2:
+    on each rank the loss and every gradient shard of the plain TP=2 path, whose loss is
+    the TP=1 model's."""
+    out = tmp_path / "paths.pt"
+    result = torchrun(2, "tests/parallel/fast_paths.py", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    tp1_loss, _ = fast_paths.loss_and_grads({}, 0, 1)
+    for rank in (0, 1):
+        saved = torch.load(f"{out}.rank{rank}", weights_only=False)
+        torch.testing.assert_close(saved["plain"][0], tp1_loss, rtol=1e-6, atol=0)
+        for name in fast_paths.PATHS:
+            assert_same(saved[name], saved["plain"])

@@ -1,0 +1,79 @@
+"""The opt-in fast paths against the plain path they replace: the same loss and the same
+gradient of every parameter (fp32), from the same seed and tokens."""
+
+import pytest
+import torch
+
+from belief_lm.model.gpt import BeliefLM, set_loss_chunking
+from belief_lm.model.loss import IGNORE_INDEX
+from tests.models import assert_same, tiny_model
+
+pytestmark = pytest.mark.usefixtures("single_process_group")
+
+VOCAB = 256
+
+
+def rows(seed: int = 0) -> torch.Tensor:
+    """[2, 33] token ids: inputs and next-token labels."""
+    return torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_fused_output_projection_is_two_gemms_and_an_add():
+    """belief_star's [Δ, Δ^s] [W^o | W^s]^T as one GEMM: the same loss and gradients, the
+    same separately named parameters (a checkpoint loads into either)."""
+    plain = BeliefLM(tiny_model("belief_star"), VOCAB, seed=3)
+    fused = BeliefLM(tiny_model("belief_star", fused_output_projection=True), VOCAB, seed=3)
+    assert fused.layers[0].self_attention.linear_proj.fused
+    assert plain.state_dict().keys() == fused.state_dict().keys()
+    for (name, a), b in zip(plain.state_dict().items(), fused.state_dict().values(), strict=True):
+        assert a is None or torch.equal(a, b), name
+    assert_same(loss_and_grads(fused, rows()), loss_and_grads(plain, rows()))
+
+
+@pytest.mark.parametrize(("variant", "tied"), [("softmax", True), ("belief_star", False)])
+def test_chunked_loss_is_the_plain_loss(variant, tied):
+    """train.loss_chunk_tokens: the output GEMM and cross entropy a chunk at a time (a
+    chunk that does not divide the 64 tokens, one that cuts a sequence position's batch
+    rows apart), recomputed in backward; ignored labels stay ignored."""
+    cfg = tiny_model(variant, tie_embeddings=tied)
+    tokens = rows()
+    tokens[0, 20:] = IGNORE_INDEX  # labels from position 19 on: padding
+    inputs = tokens.clamp_min(0)
+    model = BeliefLM(cfg, VOCAB, seed=3)
+
+    def run(chunk: int) -> tuple:
+        model.zero_grad(set_to_none=True)
+        set_loss_chunking(model, chunk)
+        loss = model(inputs[:, :-1], tokens[:, 1:])
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = run(0)
+    for chunk in (64, 23, 5):
+        assert_same(run(chunk), reference)
+
+
+def test_chunked_loss_under_zero3(single_process_group):
+    """Inside DeepSpeed's ZeRO-3 engine, which gathers each module's weights for its own
+    forward (and the tied embedding's where the output layer reads it) and frees them
+    after: three steps of the chunked loss give the plain loss's losses."""
+    from belief_lm.config import load_config
+    from belief_lm.train.engine import build_engine
+    from tests.jobs import MICRO, ROOT
+
+    batches = [(r[:, :-1], r[:, 1:]) for r in (rows(seed) for seed in range(3))]
+    losses = {}
+    for chunk in (0, 23):
+        overrides = ["model.num_layers=1", "parallel.zero_stage=3", "train.global_batch_size=2"]
+        cfg = load_config(ROOT / MICRO, [*overrides, f"train.loss_chunk_tokens={chunk}"])
+        trainee = build_engine(cfg, single_process_group, VOCAB, torch.device("cpu"))
+        losses[chunk] = [trainee.train_step(iter([batch])).item() for batch in batches]
+        trainee.engine.destroy()
+    assert losses[23] == pytest.approx(losses[0], rel=1e-5)
+    assert losses[0][2] < losses[0][0]  # the steps did something

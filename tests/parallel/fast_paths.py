@@ -1,0 +1,52 @@
+"""torchrun --nproc_per_node=2 tests/parallel/fast_paths.py OUT
+
+The opt-in fast paths at TP=2 against the plain path at TP=2 (which test_equivalence holds
+to TP=1), belief_star with an untied output layer: model.fused_output_projection (each
+rank's GEMM against its shards [W^o_r | W^s_r], then the one all-reduce) and
+train.loss_chunk_tokens (the chunked loss over each rank's vocabulary shard). Saves each
+rank's loss and gradients of every path to OUT.rank<r>."""
+
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from belief_lm.model.gpt import BeliefLM, set_loss_chunking  # noqa: E402
+from belief_lm.parallel.env import detect  # noqa: E402
+from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
+from belief_lm.runtime import select_device  # noqa: E402
+from tests.models import tiny_model  # noqa: E402
+
+VOCAB, CHUNK, SEED = 256, 23, 3
+PATHS = {"plain": ({}, 0), "fused_output": ({"fused_output_projection": True}, 0)}
+PATHS |= {"chunked_loss": ({}, CHUNK)}
+"""Name: (model options, train.loss_chunk_tokens)."""
+
+
+def tokens() -> torch.Tensor:
+    """[2, 33]: inputs and next-token labels, the same on every rank."""
+    return torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(0))
+
+
+def loss_and_grads(options: dict, chunk: int, tensor_parallel: int) -> tuple:
+    cfg = tiny_model("belief_star", tie_embeddings=False, **options)
+    model = BeliefLM(cfg, VOCAB, tensor_parallel, seed=SEED)
+    set_loss_chunking(model, chunk)
+    rows = tokens()
+    loss = model(rows[:, :-1], rows[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def main() -> None:
+    init_distributed(detect(), select_device("cpu"), timeout_s=120)
+    init_model_parallel(2, 1)
+    paths = {name: loss_and_grads(options, chunk, 2) for name, (options, chunk) in PATHS.items()}
+    torch.save(paths, f"{sys.argv[1]}.rank{dist.get_rank()}")
+
+
+if __name__ == "__main__":
+    main()
