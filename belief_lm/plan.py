@@ -13,7 +13,8 @@ GPU's torch allocator holds at its peak (what torch.cuda.max_memory_allocated re
   code (belief_star's Δ, Δ^s, the [Δ, Δ^s] input of W^o/W^s and, in bf16, the fp32 copies
   its inner products take), under none / selective / full recompute, times the
   micro-batches a pipeline stage holds (1F1B), plus the loss's fp32 softmax over the
-  vocabulary on the last stage;
+  vocabulary on the last stage (with train.loss_chunk_tokens only one chunk's logits, in
+  backward);
 
 and the step time: FLOPs (belief_lm.train.flops, recompute included) at a stated fraction
 of the GPU's peak, the pipeline bubble, and the tensor-, data- and pipeline-parallel
@@ -30,6 +31,7 @@ from belief_lm.preflight import check_layout
 from belief_lm.train.flops import (
     flops_per_token,
     layer_matmul_weights,
+    loss_recompute_flops_per_token,
     recompute_flops_per_token,
 )
 from data_pipeline.tokenizer import Tokenizer
@@ -289,13 +291,33 @@ def _core_activations(model: ModelConfig, q: int, recompute: str, wide: int) -> 
     return q + extra
 
 
-def head_activations(model: ModelConfig, vocab_size: int, tensor: int, bf16: bool) -> float:
+def head_activations(
+    model: ModelConfig, vocab_size: int, tensor: int, bf16: bool, chunked_loss: bool = False
+) -> float:
     """Bytes per token the last stage keeps after the layers: the final norm's tensors and
     the loss's fp32 softmax over this rank's vocabulary (megatron's vocab-parallel cross
-    entropy works in place on the fp32 logits; bf16 logits are dropped once copied)."""
+    entropy works in place on the fp32 logits; bf16 logits are dropped once copied). The
+    chunked loss (train.loss_chunk_tokens) keeps no logits: the labels (int64) instead."""
     size = 2 if bf16 else 4
     norm = model.hidden_size * ((2 * (4 // size) + 1) if model.normalization == "RMSNorm" else 2)
-    return norm * size + vocab_size // tensor * 4
+    return norm * size + (8 if chunked_loss else vocab_size // tensor * 4)
+
+
+def loss_backward_bytes(
+    model: ModelConfig, vocab_size: int, layout: Layout, bf16: bool, chunk_tokens: int
+) -> float:
+    """What the loss's backward allocates beyond head_activations, before the output
+    weight's gradient: in bf16 the logits' gradient (the fp32 softmax's, cast). Chunked: one
+    chunk's recomputed logits (in bf16 also their fp32 copy; the gradient is made in place
+    and cast), the hidden states' gradient of every chunk (concatenated after the last), and
+    the output weight's gradient summed over the chunks beside the chunk's own."""
+    size = 2 if bf16 else 4
+    tokens = layout.micro_batch * model.seq_length
+    rows = vocab_size // layout.tensor
+    if not chunk_tokens:
+        return tokens * rows * 2 if bf16 else 0.0
+    logits = min(chunk_tokens, tokens) * rows * (size + 4 if bf16 else 4)
+    return logits + tokens * model.hidden_size * size + rows * model.hidden_size * size
 
 
 # --------------------------------------------------------------------------------- memory
@@ -317,7 +339,10 @@ def memory(
     in_flight = min(layout.pipeline - stage, layout.accumulation)
     per_layer = layer_activations(model, layout.tensor, layout.recompute, bf16)
     layer_activation = in_flight * tokens * layers * per_layer
-    head = tokens * head_activations(model, vocab_size, layout.tensor, bf16) if last else 0.0
+    chunk = cfg.train.loss_chunk_tokens
+    head = 0.0
+    if last:
+        head = tokens * head_activations(model, vocab_size, layout.tensor, bf16, chunk > 0)
     if last and layout.pipeline > 1:
         # DeepSpeed's pipeline engine keeps each stage's outputs in its pipe buffers, two
         # on the last stage: the logits of this micro-batch and of the one before
@@ -330,14 +355,13 @@ def memory(
         + state.backward_buffers
         + layer_activation
     )
-    # backward starts with the loss: in bf16 the logits' gradient (the fp32 softmax's,
-    # cast), then the output layer's weight gradient (ZeRO 1-2 copy it into their bucket,
-    # allocated before it)
+    # backward starts with the loss (loss_backward_bytes), then the output layer's weight
+    # gradient (ZeRO 1-2 copy it into their bucket, allocated before it)
     weight_grad = 0.0
     if last and layout.zero_stage in (0, 3):
         weight_grad = vocab_size // layout.tensor * model.hidden_size * state.grad_bytes
-    logits_grad = tokens * vocab_size // layout.tensor * 2 if last and bf16 else 0.0
-    backward = held + head + logits_grad + weight_grad
+    loss = loss_backward_bytes(model, vocab_size, layout, bf16, chunk) if last else 0.0
+    backward = held + head + loss + weight_grad
     # recompute then rebuilds one layer's (or attention core's) tensors at a time, the
     # loss's already freed
     transient = 0.0
@@ -508,7 +532,9 @@ def step_time(
     gpus = layout.tensor * layout.pipeline * layout.data
     tokens = cfg.train.global_batch_size * model.seq_length
     flops = tokens * (
-        flops_per_token(model, vocab_size) + recompute_flops_per_token(model, layout.recompute)
+        flops_per_token(model, vocab_size)
+        + recompute_flops_per_token(model, layout.recompute)
+        + loss_recompute_flops_per_token(model, vocab_size, cfg.train.loss_chunk_tokens)
     )
     micro = layout.accumulation
     bubble = (micro + layout.pipeline - 1) / micro

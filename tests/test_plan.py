@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from belief_lm import plan
 from belief_lm.cli import main
 from belief_lm.config import load_config
-from belief_lm.model.gpt import BeliefLM, set_activation_recompute
+from belief_lm.model.gpt import BeliefLM, set_activation_recompute, set_loss_chunking
 from belief_lm.variants import VARIANTS
 
 SEQ, BATCH, VOCAB = 64, 2, 4096
@@ -67,6 +67,29 @@ def test_activations_per_layer_are_what_autograd_keeps(preset, variant, dtype):
         assert predicted == pytest.approx(measured, rel=tolerance, abs=48), mode
     head = (2 * kept[1, "none"] - kept[2, "none"]) / (SEQ * BATCH)  # all but the layers
     assert plan.head_activations(cfg, VOCAB, 1, bf16) == pytest.approx(head, rel=0.03)
+
+
+@pytest.mark.usefixtures("single_process_group")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_chunked_loss_keeps_no_logits(dtype):
+    """With train.loss_chunk_tokens, all the model keeps beyond its layers is the final
+    norm's tensors and the labels (plan.head_activations, chunked): no vocabulary-sized
+    tensor."""
+    bf16 = dtype == "bfloat16"
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    kept, cfg = {}, None
+    for layers in (1, 2):
+        overrides = [*SMALL, *LLAMA, f"model.num_layers={layers}", "model.attention=belief_star"]
+        cfg = load_config("configs/model/tiny.yaml", overrides).model
+        model = BeliefLM(cfg, VOCAB).to(getattr(torch, dtype)).train()
+        with torch.no_grad():
+            model(tokens)
+        set_loss_chunking(model, 48)
+        kept[layers] = kept_after_forward(model, tokens)
+    head = (2 * kept[1] - kept[2]) / (SEQ * BATCH)
+    predicted = plan.head_activations(cfg, VOCAB, 1, bf16, chunked_loss=True)
+    assert predicted == pytest.approx(head, rel=0.03)
+    assert head < VOCAB  # under a byte per vocabulary row (plain: 4, the fp32 softmax)
 
 
 def test_deepspeed_constants_are_deepspeeds():

@@ -48,9 +48,10 @@ def chunked_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens
     total = hidden.new_zeros((), dtype=torch.float32)
     for part, targets in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens), strict=True):
         # every TP rank runs the same chunks in the same order, so the cross entropy's
-        # all-reduces (and their repeats in the recomputation) pair up across ranks
+        # all-reduces (and their repeats in the recomputation) pair up across ranks;
+        # nothing here draws random numbers: no RNG state to keep per chunk
         total = total + torch.utils.checkpoint.checkpoint(
-            _summed_loss, part, weight, targets, use_reentrant=False
+            _summed_loss, part, weight, targets, use_reentrant=False, preserve_rng_state=False
         )
     return total / (labels != IGNORE_INDEX).sum().clamp_min(1)
 

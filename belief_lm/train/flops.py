@@ -67,6 +67,11 @@ def recompute_flops_per_token(model: ModelConfig, recompute: str) -> float:
     return 0.0
 
 
+def loss_recompute_flops_per_token(model: ModelConfig, vocab_size: int, chunk_tokens: int) -> float:
+    """FLOPs per token that train.loss_chunk_tokens adds: the output GEMM's forward again."""
+    return 2.0 * model.hidden_size * vocab_size if chunk_tokens else 0.0
+
+
 def peak_tflops(device: torch.device, configured: float | None) -> float | None:
     """Peak TFLOP/s of one device: the configured value, else a known GPU's, else None."""
     if configured is not None:
