@@ -87,6 +87,11 @@ class ModelConfig(Section):
     (concatenated at each call) instead of two GEMMs and an add; the same sum up to
     rounding, the same separately named weights (a checkpoint resumes with either setting).
     The other variants have one output GEMM already."""
+    compile: Literal["none", "layer"] = "none"
+    """layer: torch.compile each whole decoder layer's training forward and backward
+    (Inductor: norms, projections, attention and MLP as one graph); the same math, with
+    a compilation at the start. Evaluation and decoding stay eager. Not part of the
+    architecture: a checkpoint resumes with either setting."""
     sh_scales: list[PositiveInt] = Field(default_factory=lambda: [1, 1, 2, 4])
     """Attention-SH per-head downsampling factors, repeated across the heads (its length
     must divide num_attention_heads)."""

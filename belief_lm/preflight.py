@@ -26,7 +26,7 @@ from belief_lm.config import Config
 from belief_lm.parallel.dims import ParallelDims
 
 RUNTIME_ONLY = {
-    "model": {"name", "fused_projections", "fused_output_projection"},
+    "model": {"name", "fused_projections", "fused_output_projection", "compile"},
     "data": {"num_workers", "max_skipped_fraction", "skip_check_min_rows", "on_corrupt_row_group"},
 }
 """Keys that do not change the architecture or the data's order (free to differ on resume)."""
@@ -136,6 +136,13 @@ def check_engine_settings(cfg: Config) -> None:
             f"parallel.pipeline={parallel.pipeline}: DeepSpeed's pipeline engine computes the "
             "loss from the last stage's whole logits (its loss_fn), outside the output "
             "layer; use train.loss_chunk_tokens=0"
+        )
+    if model.compile != "none" and parallel.zero_stage == 3:
+        raise ValueError(
+            f"model.compile={model.compile} cannot be combined with parallel.zero_stage=3: "
+            "ZeRO-3 gathers each module's weights in hooks around its forward, and "
+            "torch.compile traces the layer with the weights still partitioned (empty); "
+            "use ZeRO stage 0-2 or model.compile=none"
         )
     if parallel.pipeline > model.num_layers:
         raise ValueError(

@@ -35,6 +35,7 @@ def test_a_good_layout_is_worked_out():
         (8, ["parallel.pipeline=8"], "exceeds model.num_layers (4)"),
         (2, ["parallel.pipeline=2", "train.spike.action=skip"], "train.spike.action=skip cannot"),
         (2, ["parallel.pipeline=2", "train.loss_chunk_tokens=512"], "loss_chunk_tokens=512 cannot"),
+        (1, ["model.compile=layer", "parallel.zero_stage=3"], "compile=layer cannot be combined"),
     ],
 )
 def test_bad_layouts_are_refused_naming_the_options(world, overrides, message):

@@ -30,6 +30,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
+    RowParallelLinear,
     copy_to_tensor_model_parallel_region,
 )
 from megatron.core.transformer.module import MegatronModule
@@ -85,6 +86,17 @@ def transformer_config(cfg: ModelConfig, tensor_parallel: int = 1) -> Transforme
     )
 
 
+class RowLinear(RowParallelLinear):
+    """megatron's RowParallelLinear, handing its GEMM the layer's own tensor-parallel
+    group: megatron hands it None, which is looked up again and warned about (a
+    deprecation) on every call, and a Python warning is a graph break under torch.compile
+    (model.compile=layer). The group is unused there (no gradient all-reduce in a row
+    layer's GEMM), so the computation is the same."""
+
+    def _forward_impl(self, *args, **kwargs) -> Tensor:
+        return super()._forward_impl(*args, **{**kwargs, "tp_group": self.tp_group})
+
+
 def decoder_layer_spec(cfg: ModelConfig) -> ModuleSpec:
     """megatron's local GPT layer spec with our core attention (and W^s for belief_star)."""
     spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
@@ -92,9 +104,11 @@ def decoder_layer_spec(cfg: ModelConfig) -> ModuleSpec:
     attention.core_attention = core_attention_spec(
         cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.fused_projections
     )
+    attention.linear_proj = RowLinear
     if cfg.attention == "belief_star":
         fused = cfg.fused_output_projection
         attention.linear_proj = ModuleSpec(module=BeliefStarProjection, params={"fused": fused})
+    spec.submodules.mlp.submodules.linear_fc2 = RowLinear
     return spec
 
 
@@ -143,7 +157,10 @@ class DecoderLayer(TransformerLayer):
     are computed (and cached) here rather than passed between stages. With `recompute`
     set, its activations are recomputed in backward instead of stored (only its input is
     kept): see set_activation_recompute. `decoding` (this layer's cache and the step) makes
-    it continue a cached sequence.
+    it continue a cached sequence. With model.compile=layer, training runs the whole layer
+    through torch.compile (one graph for norms, projections, attention and MLP, fused where
+    Inductor can); evaluation and decoding stay eager (a cache is Python state, and
+    shapes that change every step would recompile).
     """
 
     recompute = False
@@ -156,15 +173,19 @@ class DecoderLayer(TransformerLayer):
                 layer_number=layer_number,
             )
         self.rope_base = model.rotary_base if model.position_embedding == "rope" else None
+        # lazy: compiles at the first training forward (once for all layers: the layers
+        # differ only in their weights, which the graph takes as inputs)
+        self.compiled = torch.compile(self._forward) if model.compile == "layer" else None
 
     def forward(  # type: ignore[override]
         self, hidden_states: Tensor, decoding: tuple[LayerCache, DecodeStep] | None = None
     ) -> Tensor:
-        if self.recompute and self.training and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(
-                self._forward, hidden_states, use_reentrant=False
-            )
-        return self._forward(hidden_states, decoding)
+        if decoding is not None or not self.training:
+            return self._forward(hidden_states, decoding)
+        layer = self.compiled or self._forward
+        if self.recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(layer, hidden_states, use_reentrant=False)
+        return layer(hidden_states)
 
     def _forward(
         self, hidden_states: Tensor, decoding: tuple[LayerCache, DecodeStep] | None = None

@@ -4,7 +4,7 @@ gradient of every parameter (fp32), from the same seed and tokens."""
 import pytest
 import torch
 
-from belief_lm.model.gpt import BeliefLM, set_loss_chunking
+from belief_lm.model.gpt import BeliefLM, set_activation_recompute, set_loss_chunking
 from belief_lm.model.loss import IGNORE_INDEX
 from tests.models import assert_same, tiny_model
 
@@ -77,3 +77,29 @@ def test_chunked_loss_under_zero3(single_process_group):
         trainee.engine.destroy()
     assert losses[23] == pytest.approx(losses[0], rel=1e-5)
     assert losses[0][2] < losses[0][0]  # the steps did something
+
+
+@pytest.mark.slow  # Inductor on two CPU cores: 30-90 s a case with a cold compile cache
+@pytest.mark.parametrize(
+    ("variant", "recompute", "options"),
+    [
+        ("softmax", "full", {}),
+        ("belief_star", "selective", {"fused_projections": True, "fused_output_projection": True}),
+    ],
+)
+def test_compiled_layers_are_the_eager_layers(variant, recompute, options):
+    """model.compile=layer: each decoder layer's training forward and backward through
+    torch.compile (one graph per layer: no graph break, the layers share it), with either
+    recompute mode (full: the checkpoint reruns the compiled layer; selective: the
+    checkpoint inside the compiled graph) and with the other fast paths inside it. Eval
+    stays eager."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    eager = BeliefLM(tiny_model(variant), VOCAB, seed=3)
+    compiled = BeliefLM(tiny_model(variant, compile="layer", **options), VOCAB, seed=3)
+    set_activation_recompute(compiled, recompute)
+    assert_same(loss_and_grads(compiled, rows()), loss_and_grads(eager, rows()))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.eval()(rows()), eager.eval()(rows()))
