@@ -33,3 +33,16 @@ def write_result(path: str | Path, result: dict, device: torch.device) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def allow_bf16_on_cpu() -> None:
+    """Let train.precision=bf16 run on a CPU in this process. belief-lm refuses it there
+    (slow, and not what a CPU run is for), but DeepSpeed's bf16 engines run on a CPU, and a
+    benchmark that checks or measures bf16 without a GPU needs them; fp32 and auto are
+    resolved as before (auto: fp32 on a CPU)."""
+    import belief_lm.train.engine as engine
+
+    resolve = engine.use_bf16
+    engine.use_bf16 = lambda precision, device_type: resolve(
+        precision, "cuda" if precision == "bf16" else device_type
+    )

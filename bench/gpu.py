@@ -5,12 +5,14 @@
     python bench/gpu.py --smoke [--paper]     # the same code on CPU at a tiny shape (CI)
 
 Correctness: 50 steps of `tiny` in bf16 against fp32 from the same weights and batches
-(loss within --loss-tolerance, relative, at every step); the SDPA kernel every attention
-variant runs at each preset's shape (flash / cudnn / efficient / math, from the profiler:
-variants with masks may fall back); belief's inner products computed from the model's own
-bf16 activations (dtype, and error against fp64); the NCCL process group (TP=1).
+(loss within --loss-tolerance, relative, at every step; --smoke: 5 steps, in bf16 on the
+CPU); the SDPA kernel every attention variant runs at each preset's shape (flash / cudnn /
+efficient / math, from the profiler: variants with masks may fall back); belief's inner
+products computed from the model's own bf16 activations (dtype, and error against fp64);
+the NCCL process group (TP=1).
 
-Throughput: each model x attention x option set (named config overrides, e.g.
+Throughput: each model x attention x option set (OPTION_SETS by name: plain, fused, the
+other fast paths one at a time, all of them as `tuned`; or named config overrides, e.g.
 fused=model.fused_projections=true) at the preset's sequence length and the largest
 micro-batch that fits (doubling until out of memory, then one step between), timed as the
 trainer runs: `build_engine` (DeepSpeed, bf16, ZeRO-1, the project's AdamW) and the loop's
@@ -54,15 +56,31 @@ from belief_lm.runtime import select_device
 from belief_lm.train.engine import build_engine
 from belief_lm.train.flops import flops_per_token, peak_tflops
 from belief_lm.variants import VARIANTS
-from bench.common import write_result
+from bench.common import allow_bf16_on_cpu, write_result
 
 MODELS = {
     "gpt2-124m": "configs/model/gpt2-124m.yaml",
     "llama-188m": "configs/model/llama-188m.yaml",
 }
 ATTENTIONS = ["softmax", "belief", "belief_star"]
-OPTIONS = ["plain=", "fused=model.fused_projections=true"]
-SMOKE_OPTIONS = ["plain=", "foreach_adamw=train.adamw_kernel=foreach"]  # no compile on CPU
+FAST_PATHS = [
+    "model.fused_projections=true", "model.fused_output_projection=true",
+    "train.loss_chunk_tokens=4096", "model.compile=layer",
+]  # fmt: skip
+OPTION_SETS = {
+    "plain": [],
+    "fused": FAST_PATHS[:1],  # the belief projections compiled
+    "fused_output": FAST_PATHS[1:2],  # belief_star's [W^o | W^s] as one GEMM
+    "chunked_loss": FAST_PATHS[2:3],  # no fp32 logits kept: larger micro-batches
+    "compiled": FAST_PATHS[3:],  # each whole decoder layer compiled
+    "tuned": FAST_PATHS,  # all of them
+    "foreach_adamw": ["train.adamw_kernel=foreach"],
+}
+"""Named option sets, for `--option NAME`; each a list of config overrides."""
+OPTIONS = ["plain", "fused", "tuned"]
+"""The GPU run's default matrix (within --time-limit); the single fast paths by name:
+--option plain --option fused_output --option chunked_loss --option compiled."""
+SMOKE_OPTIONS = ["plain", "foreach_adamw"]  # no compile on CPU (minutes)
 SMOKE_SHAPE = [
     "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8",
     "model.ffn_hidden_size=128", "model.seq_length=32", "model.vocab_size=512",
@@ -109,6 +127,8 @@ class Bench:
 def main() -> None:
     args = parse_args()
     device = select_device("cpu" if args.smoke else "cuda")
+    if args.smoke:
+        allow_bf16_on_cpu()  # the bf16 checks in bf16 on the CPU too, as on a GPU
     init_distributed(detect(), device)
     layout = init_model_parallel(1, 1)
     if args.out is None:
@@ -138,9 +158,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--option",
         action="append",
-        metavar="NAME=KEY=VALUE[,KEY=VALUE...]",
-        help="an option set: a name and the config overrides it applies, comma-separated "
-        f"(repeat for several; default: {' '.join(OPTIONS)})",
+        metavar="NAME[=KEY=VALUE,...]",
+        help="an option set: one of " + ", ".join(OPTION_SETS) + ", or a name and the "
+        "config overrides it applies, comma-separated (repeat for several; default: "
+        f"{' '.join(OPTIONS)})",
     )
     parser.add_argument("--steps", type=int, help="timed steps per run (default 10; smoke 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 3; smoke 1)")
@@ -170,9 +191,15 @@ def parse_args() -> argparse.Namespace:
 
 
 def parse_option(text: str) -> tuple[str, list[str]]:
-    name, _, overrides = text.partition("=")
-    if not name:
-        raise SystemExit(f"--option {text!r}: expected NAME=KEY=VALUE[,KEY=VALUE...] or NAME=")
+    """A named option set (OPTION_SETS), or NAME=KEY=VALUE[,KEY=VALUE...] (NAME=: none)."""
+    name, equals, overrides = text.partition("=")
+    if not equals and name in OPTION_SETS:
+        return name, OPTION_SETS[name]
+    if not name or not equals:
+        raise SystemExit(
+            f"--option {text!r}: expected one of {', '.join(OPTION_SETS)}, or "
+            "NAME=KEY=VALUE[,KEY=VALUE...] or NAME="
+        )
     return name, [o for o in overrides.split(",") if o]
 
 
@@ -280,12 +307,11 @@ def process_group(device: torch.device) -> dict:
 
 def bf16_against_fp32(bench: Bench, layout) -> dict:
     """`tiny` trained in bf16 and in fp32 from the same seed (same initial weights) on the
-    same batches. On CPU (smoke) both runs are fp32: DeepSpeed's bf16 needs a GPU here."""
-    low = "bf16" if bench.device.type == "cuda" else "fp32"
+    same batches, through DeepSpeed's bf16 engine on CPU too (smoke: allow_bf16_on_cpu)."""
     steps = bench.args.check_steps
     vocab = [] if bench.args.smoke else ["model.vocab_size=4096"]
     curves = []
-    for precision in ("fp32", low):
+    for precision in ("fp32", "bf16"):
         cfg = bench.config(
             "configs/tiny.yaml", *vocab, f"train.precision={precision}",
             f"train.max_steps={steps}", "train.warmup_steps=5", *batch_overrides(16),
@@ -301,12 +327,12 @@ def bf16_against_fp32(bench: Bench, layout) -> dict:
     result = {
         "model": "tiny",
         "steps": steps,
-        "precision": low,
+        "precision": "bf16",
         "tolerance_relative": bench.args.loss_tolerance,
         "max_relative_difference": max(relative),
         "max_abs_difference": max(abs(a - b) for a, b in zip(reference, other, strict=True)),
         "loss_fp32": reference,
-        f"loss_{low}": other,
+        "loss_bf16": other,
         "pass": max(relative) <= bench.args.loss_tolerance and reference[-1] < reference[0],
     }
     print(f"bf16 vs fp32: max relative loss difference {max(relative):.4f}", flush=True)
@@ -316,10 +342,10 @@ def bf16_against_fp32(bench: Bench, layout) -> dict:
 
 
 def attention_checks(bench: Bench, preset: str, fused: bool) -> tuple[dict, dict]:
-    """At the preset's width, heads and sequence (one layer, micro-batch 1, bf16 on GPU):
-    the SDPA kernels each variant runs in forward and backward, and belief's inner
-    products from the model's own activations."""
-    dtype = torch.bfloat16 if bench.device.type == "cuda" else torch.float32
+    """At the preset's width, heads and sequence (one layer, micro-batch 1, bf16): the
+    SDPA kernels each variant runs in forward and backward, and belief's inner products
+    from the model's own activations."""
+    dtype = torch.bfloat16
     kernels, products = {}, {}
     for variant in VARIANTS:
         cfg = bench.config(MODELS[preset], f"model.attention={variant}", "model.num_layers=1")

@@ -33,6 +33,7 @@ from belief_lm.parallel.env import detect  # noqa: E402
 from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
 from belief_lm.train.engine import build_engine  # noqa: E402
+from bench.common import allow_bf16_on_cpu  # noqa: E402
 
 PROFILED_STEPS = 2
 """Steps under the profiler: Adam's moments appear in the first; the second is steady."""
@@ -136,12 +137,7 @@ def calibrate(cfg, layout) -> tuple[float, float | None]:
 def main() -> None:
     out_dir, config, *overrides = sys.argv[1:]
     cfg = load_config(config, overrides)
-    if cfg.train.precision == "bf16":
-        # belief-lm refuses bf16 on a CPU (slow, and not what a CPU run is for), but
-        # DeepSpeed's bf16 engines run there: lift that one refusal to measure them
-        import belief_lm.train.engine
-
-        belief_lm.train.engine.use_bf16 = lambda precision, device_type: True
+    allow_bf16_on_cpu()  # the bf16 cases measure DeepSpeed's bf16 engines on the CPU
     device = select_device("cpu")
     init_distributed(detect(), device, timeout_s=600)
     layout = init_model_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)

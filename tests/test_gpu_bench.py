@@ -39,14 +39,16 @@ def test_smoke_runs_every_check_and_run(tmp_path):
     assert checks["process_group"] == {
         "backend": "gloo", "world_size": 1, "tensor_parallel": 1, "all_reduce_ok": True
     }  # fmt: skip
-    curve = checks["bf16_vs_fp32"]
-    assert curve["pass"] and len(curve["loss_fp32"]) == 5
+    curve = checks["bf16_vs_fp32"]  # DeepSpeed's bf16 engine, on the CPU too
+    assert curve["pass"] and len(curve["loss_fp32"]) == len(curve["loss_bf16"]) == 5
+    assert curve["loss_bf16"] != curve["loss_fp32"]  # not the same run twice
     assert curve["loss_fp32"][-1] < curve["loss_fp32"][0]  # the synthetic stream is learnable
     for model in gpu.MODELS:
         kernels = checks["sdpa_kernels"][model]
         assert set(kernels) == set(gpu.VARIANTS) and all(kernels.values())
         assert "math" in kernels["attention_sh"]  # its pooled keys need a mask
-        assert checks["belief_inner_products"][model]["plain"]["dtype"] == "float32"
+        products = checks["belief_inner_products"][model]
+        assert products["activations"] == "bfloat16" and products["plain"]["dtype"] == "float32"
         assert checks["belief_inner_products"][model]["pass"]
     runs = result["runs"]
     assert [(r["model"], r["option"], r["attention"]) for r in runs] == [
@@ -61,14 +63,20 @@ def test_smoke_runs_every_check_and_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_fused_projections_slot_in_as_an_option(tmp_path):
+def test_smoke_named_option_sets(tmp_path):
+    """The fast paths a GPU run measures, by name (model.compile=layer aside: minutes of
+    Inductor on a CPU)."""
     result = bench(
         tmp_path, "--smoke", "--models", "gpt2-124m", "--attentions", "softmax", "belief_star",
-        "--option", "fused=model.fused_projections=true", "--max-micro-batch", "2",
+        "--option", "fused", "--option", "fused_output", "--option", "chunked_loss",
+        "--max-micro-batch", "2",
     )  # fmt: skip
-    assert [(r["attention"], r["fused"], r["micro_batch"]) for r in result["runs"]] == [
-        ("softmax", True, 2), ("belief_star", True, 2)
-    ]  # fmt: skip
+    names = ("fused", "fused_output", "chunked_loss")
+    assert [(r["option"], r["attention"], r["micro_batch"]) for r in result["runs"]] == [
+        (name, attention, 2) for name in names for attention in ("softmax", "belief_star")
+    ]
+    assert [r["overrides"] for r in result["runs"][::2]] == [gpu.OPTION_SETS[n] for n in names]
+    assert [r["fused"] for r in result["runs"]] == [True, True, False, False, False, False]
     products = result["correctness"]["belief_inner_products"]["gpt2-124m"]
     assert products["fused"]["dtype"] == "float32" and products["pass"]
 
@@ -98,9 +106,14 @@ def test_micro_batch_search():
     assert gpu.next_candidate(56, 64, 128) is None  # within a quarter of the fit
 
 
-def test_bad_option_is_refused(tmp_path):
-    with pytest.raises(SystemExit, match="expected NAME=KEY=VALUE"):
-        gpu.parse_option("=model.fused_projections=true")
+def test_option_sets_by_name_or_overrides():
+    assert gpu.parse_option("tuned") == ("tuned", gpu.FAST_PATHS)
+    assert {*gpu.OPTIONS, *gpu.SMOKE_OPTIONS} <= gpu.OPTION_SETS.keys()
+    for overrides in gpu.OPTION_SETS.values():
+        load_config("configs/tiny.yaml", overrides)  # every key exists, every value is valid
+    for text in ("=model.fused_projections=true", "fast"):
+        with pytest.raises(SystemExit, match="expected one of plain, fused"):
+            gpu.parse_option(text)
     assert gpu.parse_option("fused=model.fused_projections=true,train.adamw_kernel=fused") == (
         "fused", ["model.fused_projections=true", "train.adamw_kernel=fused"]
     )  # fmt: skip
