@@ -104,11 +104,11 @@ def decoder_layer_spec(cfg: ModelConfig) -> ModuleSpec:
     attention.core_attention = core_attention_spec(
         cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.fused_projections
     )
-    attention.linear_proj = RowLinear
+    if cfg.compile == "layer":  # megatron's own otherwise: its private call is overridden
+        attention.linear_proj = spec.submodules.mlp.submodules.linear_fc2 = RowLinear
     if cfg.attention == "belief_star":
         fused = cfg.fused_output_projection
         attention.linear_proj = ModuleSpec(module=BeliefStarProjection, params={"fused": fused})
-    spec.submodules.mlp.submodules.linear_fc2 = RowLinear
     return spec
 
 
