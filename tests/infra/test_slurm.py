@@ -196,6 +196,17 @@ def test_requeue_stops_after_max_restarts(slurm_cluster, tmp_path):
     assert "(MAX_RESTARTS=0): not requeueing" in log.read_text()
 
 
+def test_a_cancelled_job_is_not_requeued(slurm_cluster, tmp_path):
+    """`scancel JOB` signals SIGTERM to every process of the job, as a stop does: the tasks
+    exit 75 (or srun kills them), but a cancelled job stays cancelled (it was requeued)."""
+    job_id, log = submit_stand_in(slurm_cluster, tmp_path)
+    slurm(slurm_cluster, "scancel", str(job_id))
+    state = wait_for_job(slurm_cluster, job_id)
+    text = log.read_text()
+    assert (state["JobState"], state["Restarts"]) == ("CANCELLED", "0"), text
+    assert f"job {job_id} is COMPLETING (cancelled or out of time): not requeueing" in text
+
+
 def submit_training(conf: Path, run_dir: Path, cache_dir: str, steps: int) -> tuple[int, Path]:
     """The template by hand with the real trainer: 2 nodes, one data-parallel rank each."""
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
@@ -203,7 +214,8 @@ def submit_training(conf: Path, run_dir: Path, cache_dir: str, steps: int) -> tu
         [
             "sbatch", "--parsable", "--nodes=2", f"--output={run_dir}.log",
             str(ROOT / "slurm/pretrain.sbatch"), *TINY_RUN, f"train.max_steps={steps}",
-            "run.log_interval=1", f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}",
+            "run.log_interval=1", f"checkpoint.interval={CHECKPOINT_INTERVAL}",
+            f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}",
         ],
         timeout=60, cwd=ROOT, env=job_env(SLURM_CONF=str(conf), PATH=path),
     ).stdout  # fmt: skip
@@ -211,6 +223,7 @@ def submit_training(conf: Path, run_dir: Path, cache_dir: str, steps: int) -> tu
 
 
 STEPS = 50  # long enough that a stop sent after step 5 lands mid-run on a loaded machine
+CHECKPOINT_INTERVAL = 4  # what a stop that kills the tasks unsaved can lose
 
 
 @pytest.fixture(scope="module")
@@ -257,28 +270,39 @@ def stopped_at(log: Path, count: int) -> int:
 def test_preempted_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_one(
     slurm_cluster, tmp_path, cache_dir, uninterrupted
 ):
-    """The real trainer, stopped twice mid-run: SIGUSR1 to every process of the job (batch
-    shell, srun, the ranks and their loader workers: `scancel --full`), then SIGTERM to the
-    ranks and their loader workers (`scancel --signal=TERM`, as a time limit or a preemption
-    signal the tasks). Each time every rank finishes its step, they save it and exit 75, and
-    the job requeues itself and resumes; its losses are the uninterrupted job's, bit for
-    bit. (SIGTERM to srun itself is not survivable: srun turns it into SIGKILL.)"""
+    """The real trainer, stopped three times mid-run: SIGUSR1 to every process of the job
+    (batch shell, srun, the ranks and their loader workers: `scancel --full`), then SIGTERM to
+    the ranks and their loader workers (`scancel --signal=TERM`, as a time limit or a
+    preemption signal the tasks). Each time every rank finishes its step, they save it and
+    exit 75, and the job requeues itself and resumes. Then SIGTERM to every process
+    (`scancel --full --signal=TERM`): srun turns its copy into SIGKILL for the tasks, which
+    cannot save; the batch shell requeues the job anyway and the run resumes from its last
+    periodic checkpoint. The job's losses are the uninterrupted job's, bit for bit."""
     run_dir = tmp_path / "preempted"
     job_id, log = submit_training(slurm_cluster, run_dir, cache_dir, STEPS)
     stop_mid_run(slurm_cluster, job_id, run_dir, log, 5, "--full", "--signal=USR1")
     first = stopped_at(log, 1)
     stop_mid_run(slurm_cluster, job_id, run_dir, log, first + 3, "--signal=TERM")
     second = stopped_at(log, 2)
+    # past the next periodic checkpoint, so the killed run has one to resume from
+    killed_after = (second // CHECKPOINT_INTERVAL + 1) * CHECKPOINT_INTERVAL + 1
+    stop_mid_run(slurm_cluster, job_id, run_dir, log, killed_after, "--full", "--signal=TERM")
     state = wait_for_job(slurm_cluster, job_id, timeout=400)
     text = log.read_text()
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "2", text[-4000:]
-    assert 5 <= first < second < STEPS
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "3", text[-4000:]
+    assert 5 <= first < second < killed_after < STEPS
     for step in (first, second):
         assert f"resuming after step {step}" in text
-    assert text.count(f"requeueing job {job_id}") == 2
-    # the batch shell got the first signal only; each rank one of each
-    assert re.findall(r"^belief-lm: (SIG\w+): the tasks checkpoint", text, re.M) == ["SIGUSR1"]
-    assert sorted(re.findall(r"^\d: belief-lm: (SIG\w+): finishing the step", text, re.M)) == [
+    assert "the tasks were killed before they could save (SIGTERM reached srun too)" in text
+    resumes = [int(step) for step in re.findall(r"resuming after step (\d+)", text)]
+    assert len(resumes) == 3 and second < resumes[2] < STEPS, text[-4000:]
+    assert resumes[2] % CHECKPOINT_INTERVAL == 0  # a periodic checkpoint: nothing saved at the kill
+    assert text.count(f"requeueing job {job_id}") == 3
+    # the batch shell got the first and the third signal; each rank one of the first two
+    shell_got = re.findall(r"^belief-lm: (SIG\w+): the tasks checkpoint", text, re.M)
+    assert shell_got == ["SIGUSR1", "SIGTERM"]
+    ranks_got = re.findall(r"^\d: belief-lm: (SIG\w+): finishing the step", text, re.M)
+    assert sorted(ranks_got[:4]) == [
         "SIGTERM", "SIGTERM", "SIGUSR1", "SIGUSR1"
     ]  # fmt: skip
     resumed = losses(run_dir)
