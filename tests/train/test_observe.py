@@ -191,8 +191,8 @@ def test_profiled_steps_leave_a_trace_of_our_ops(observed):
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, cache_dir):
-    """Run 3: train.spike.action=stop, spikes at steps 4 and 5 (max_in_row 2), its
-    progress written to a terminal (a pty)."""
+    """Run 3, the `train` command in this process (its exit code): train.spike.action=stop,
+    spikes at steps 4 and 5 (max_in_row 2), its progress written to a terminal (a pty)."""
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
     leader, follower = os.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 wide
@@ -202,9 +202,10 @@ def stopped(tmp_path_factory, cache_dir):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "stderr", terminal)
         SpikedSteps(patch, {4, 5})
-        code = cli._train(
-            config(run_dir, cache_dir, "train.max_steps=8", "train.spike.action=stop",
-                   "train.spike.max_in_row=2", "train.spike.min_history=3")
+        code = cli.main(
+            ["train", "--config", MICRO, f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}",
+             "train.max_steps=8", "train.spike.action=stop", "train.spike.max_in_row=2",
+             "train.spike.min_history=3"]
         )  # fmt: skip
     terminal.close()
     reader.join(timeout=10)
