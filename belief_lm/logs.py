@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from typing import TextIO
 
 NOISE = {
@@ -63,15 +64,7 @@ def configure(rank: int) -> None:
         return
     for name in LIBRARY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    _show_warning = warnings.showwarning
-
-    def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-        if is_noise(str(message)):
-            noise_log.debug("%s: %s", category.__name__, message)
-        else:
-            _show_warning(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show_warning
+    warnings.showwarning = WarningFilter(warnings.showwarning)
     # DeepSpeed's logger writes to the sys.stdout it finds when first imported: this one
     sys.stdout = quieted(sys.stdout)
 
@@ -81,6 +74,20 @@ def quieted(stream: TextIO) -> TextIO:
     if os.environ.get("BELIEF_LM_VERBOSE") or isinstance(stream, NoiseFilter):
         return stream
     return NoiseFilter(stream)
+
+
+class WarningFilter:
+    """A warnings.showwarning that shows every warning as `show` does except the NOISE ones
+    (logged at DEBUG instead)."""
+
+    def __init__(self, show: Callable[..., None]):
+        self.show = show
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if is_noise(str(message)):
+            noise_log.debug("%s: %s", category.__name__, message)
+        else:
+            self.show(message, category, filename, lineno, file, line)
 
 
 class NoiseFilter:

@@ -12,6 +12,36 @@ warnings.filterwarnings("ignore")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.jobs import RENDEZVOUS  # noqa: E402
+
+PYTEST_WORLD = {name: os.environ.get(name) for name in RENDEZVOUS if name != "LOCAL_RANK"}
+"""The variables that place a process in a job (RANK and WORLD_SIZE make detect() see a
+torchrun rank; MASTER_ADDR/PORT its rank 0) as pytest started: normally none. LOCAL_RANK is
+not among them: DeepSpeed's engine reads it at every deepspeed.initialize, also that of a
+test's in-process run after the session's process group exists."""
+
+
+def restore_world() -> None:
+    """Put PYTEST_WORLD back into os.environ."""
+    for name, value in PYTEST_WORLD.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def no_world_for_child_processes():
+    """Every test starts and ends with PYTEST_WORLD. init_distributed (the session's
+    single_process_group, or a test's in-process train) exports the variables of its world
+    of one for torch's env:// rendezvous, which needs them only while it joins; a child
+    process inheriting them would take itself for rank 0 of that world and bind its port
+    (bench/gpu.py's smoke runs: EADDRINUSE). Session- and module-scoped fixtures are set up
+    before this one, so what they export is gone before the test runs."""
+    restore_world()
+    yield
+    restore_world()
+
 
 @pytest.fixture(scope="session")
 def single_process_group():

@@ -94,6 +94,107 @@ def test_belief_lm_parts_import_one_way():
         pytest.fail(f"import cycle between belief_lm's parts: {' -> '.join(err.args[1])}")
 
 
+def is_private(name: object) -> bool:
+    # __file__ and the like are public; a name that is no string (setattr(m, x)) is unknown
+    return isinstance(name, str) and name.startswith("_") and not name.endswith("__")
+
+
+def is_ours(module: str) -> bool:
+    return module.split(".")[0] in PACKAGES and is_module(module)
+
+
+def dotted(node: ast.expr) -> str | None:
+    """`a.b.c` of a chain of names, None for anything else (a call, a subscript)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def ours_bound(tree: ast.Module) -> dict[str, str]:
+    """The names a file binds to something of our packages (at any depth, under any alias)
+    -> its full dotted name."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")[0]
+                if top in PACKAGES:  # `import a.b` binds a; `import a.b as c` binds c to a.b
+                    bound[alias.asname or top] = alias.name if alias.asname else top
+        elif isinstance(node, ast.ImportFrom) and not node.level and is_ours(node.module or ""):
+            bound.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+    return bound
+
+
+ATTRIBUTE_CALLS = ("setattr", "getattr", "delattr")
+"""Functions that reach an attribute by its name: the builtins, and monkeypatch's setattr
+and delattr (whatever the fixture is called)."""
+
+
+def private_uses(path: Path) -> list[str]:
+    """The private names of our packages' modules that `path` uses: `from ours import _x`,
+    `module._x`, `setattr(module, "_x", ...)` and `monkeypatch.setattr("ours.module._x", ...)`."""
+    tree = ast.parse(path.read_text())
+    bound = ours_bound(tree)
+
+    def module_of(expression: ast.expr) -> str | None:
+        head, _, rest = (dotted(expression) or "").partition(".")
+        module = ".".join(filter(None, [bound.get(head), rest]))
+        return module if head in bound and is_ours(module) else None
+
+    found = []  # (line, module, name): a name reached in one of our modules
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.ImportFrom) and not node.level and is_ours(node.module or ""):
+            found += [(line, node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Attribute):
+            found.append((line, module_of(node.value), node.attr))
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            if (dotted(node.func) or "").rsplit(".", 1)[-1] in ATTRIBUTE_CALLS:
+                name = node.args[1]
+                found.append((line, module_of(node.args[0]), getattr(name, "value", None)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            module, _, name = node.value.rpartition(".")  # monkeypatch.setattr("a.b._c", x)
+            found.append((line, module if is_ours(module) else None, name))
+    uses = {
+        (line, f"{module}.{name}") for line, module, name in found if module and is_private(name)
+    }
+    return [f"line {line}: {name}" for line, name in sorted(uses)]
+
+
+def test_tests_use_only_public_names():
+    """A test that reaches a private name pins an implementation detail (and a helper that
+    the test needs is an API the package lacks): tests go through what is public."""
+    found = {
+        str(path.relative_to(ROOT)): uses
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if (uses := private_uses(path))
+    }
+    assert not found, found
+
+
+def test_the_private_name_check_sees_each_form(tmp_path):
+    test = tmp_path / "test_x.py"
+    test.write_text(
+        "import belief_lm.train.loop\n"
+        "import data_pipeline.sources as src\n"
+        "from belief_lm import cli\n"
+        "from belief_lm.train.loop import _private, train\n"
+        "belief_lm.train.loop._a, src._b, cli._c, cli.main, cli.__file__, train._d\n"
+        "monkeypatch.setattr(src, '_e', 1); monkeypatch.setattr('launcher.slurm._f', 1)\n"
+    )
+    assert private_uses(test) == [
+        "line 4: belief_lm.train.loop._private",
+        "line 5: belief_lm.cli._c",
+        "line 5: belief_lm.train.loop._a",
+        "line 5: data_pipeline.sources._b",
+        "line 6: data_pipeline.sources._e",
+        "line 6: launcher.slurm._f",
+    ]
+
+
 @pytest.mark.parametrize(
     "module",
     [

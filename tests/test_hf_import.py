@@ -65,18 +65,23 @@ def test_softmax_computes_the_llamas_logits(llama, run_config, single_process_gr
     assert theirs.abs().max() > 1  # logits far from zero: the comparison means something
 
 
-def test_belief_star_takes_the_llamas_weights_and_a_fresh_w_s(llama, run_config, tmp_path):
+@pytest.mark.parametrize(("attention", "w_s_layers"), [("belief", 0), ("belief_star", 2)])
+def test_a_belief_variant_takes_the_llamas_weights(
+    llama, run_config, tmp_path, attention, w_s_layers
+):
+    """Every weight as softmax imports it; belief_star's W^s, which a Llama lacks (one per
+    layer), as a fresh model of run.seed initialises it."""
     from belief_lm.checkpoint.consolidate import consolidate
     from belief_lm.model.gpt import BeliefLM
 
-    cfg = run_config("model.attention=belief_star")
-    star = consolidate(import_hf(llama[0], cfg)).state_dict
+    cfg = run_config(f"model.attention={attention}")
+    variant = consolidate(import_hf(llama[0], cfg)).state_dict
     plain = consolidate(import_hf(llama[0], run_config(f"run.output_dir={tmp_path}/b"))).state_dict
     fresh = BeliefLM(cfg.model, 512, seed=cfg.run.seed).state_dict()
-    for name, tensor in star.items():
+    for name, tensor in variant.items():
         expected = fresh[name] if name.endswith("w_s.weight") else plain[name]
         assert torch.equal(tensor, expected), name
-    assert sum(name.endswith("w_s.weight") for name in star) == 2
+    assert sum(name.endswith("w_s.weight") for name in variant) == w_s_layers
 
 
 def cli_import(folder, *overrides) -> int:

@@ -1,11 +1,13 @@
 """The console's noise filter: the libraries' known messages, as they print them, are
-caught; anything else passes (the whole command is checked in tests/train/test_observe.py)."""
+caught and kept at DEBUG; anything else passes (the whole command is checked in
+tests/train/test_observe.py)."""
 
 import io
+import logging
 
 import pytest
 
-from belief_lm.logs import NoiseFilter, is_noise
+from belief_lm.logs import NoiseFilter, WarningFilter, is_noise
 
 SEEN = [
     # megatron-core 0.16 warnings (UserWarning) without Transformer Engine and Apex
@@ -59,3 +61,19 @@ def test_the_filter_drops_noise_lines_and_keeps_the_rest():
     print("last", file=stream)
     assert out.getvalue() == "first line\npartiallast\n"
     assert stream.getvalue() == out.getvalue()  # the rest of the stream's interface
+
+
+def test_the_noise_is_kept_at_debug_on_its_logger(caplog):
+    """Printed or warned, a known message is logged at DEBUG on belief_lm.noise (kept for a
+    handler at that level, not lost); a real warning is shown as before."""
+    shown = []
+    show = WarningFilter(lambda message, *where: shown.append(str(message)))
+    with caplog.at_level(logging.DEBUG, logger="belief_lm.noise"):
+        NoiseFilter(io.StringIO()).write(f"{SEEN[5]}\n")
+        show(UserWarning(SEEN[0]), UserWarning, "megatron/core/__init__.py", 1)
+        show(UserWarning("weights are NaN"), UserWarning, "belief_lm/train/loop.py", 2)
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("belief_lm.noise", logging.DEBUG, SEEN[5]),
+        ("belief_lm.noise", logging.DEBUG, f"UserWarning: {SEEN[0]}"),
+    ]
+    assert shown == ["weights are NaN"]

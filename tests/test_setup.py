@@ -9,7 +9,6 @@ is offered the same way and named with --have, so the wheelhouse leaves it out."
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -20,7 +19,15 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.jobs import MICRO, ROOT, job_env
+
+
+def setup_env(**extra: str) -> dict[str, str]:
+    """The environment setup.sh runs in: tests.jobs.job_env (none of the rendezvous variables
+    of the test process, DeepSpeed on the CPU) without pip's settings or an active venv,
+    which would point the install elsewhere."""
+    env = {k: v for k, v in job_env().items() if not k.startswith(("PIP_", "VIRTUAL_ENV"))}
+    return {**env, **extra}
 
 
 def run(command: list[str], env: dict, timeout: float, offline: bool = False):
@@ -67,8 +74,7 @@ def test_offline_install_from_a_wheelhouse_trains(tmp_path_factory):
         expose(["torch", "pyarrow"], system)
         have = tmp / "have.txt"
         have.write_text(f"pyarrow=={metadata.version('pyarrow')}\n")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV"))}
-        env["DS_ACCELERATOR"] = "cpu"
+        env = setup_env()
 
         # online: the wheelhouse, built with this environment's torch for DeepSpeed's build
         run(
@@ -101,10 +107,9 @@ def test_offline_install_from_a_wheelhouse_trains(tmp_path_factory):
         assert where[0].startswith(str(system)) and where[1].startswith(str(venv))
         run(
             [
-                str(venv / "bin/belief-lm"), "train", "--config", "configs/tiny.yaml",
-                "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=192",
-                "model.seq_length=64", "data.tokenizer.vocab_size=512", "train.max_steps=5",
-                "train.micro_batch_size=4", "train.global_batch_size=4", "run.log_interval=1",
+                # a fresh cache: a small tokenizer is trained in a moment
+                str(venv / "bin/belief-lm"), "train", "--config", MICRO,
+                "data.tokenizer.vocab_size=512", "train.max_steps=5",
                 f"run.output_dir={run_dir}", f"run.cache_dir={tmp / 'cache'}",
             ],
             offline, timeout=600, offline=True,
@@ -130,7 +135,7 @@ def test_bad_options_fail_before_any_work(arguments, message, tmp_path):
     out = subprocess.run(
         ["bash", "setup.sh", *arguments],
         cwd=ROOT,
-        env={**os.environ, "VENV": str(tmp_path / "venv")},
+        env=setup_env(VENV=str(tmp_path / "venv")),
         capture_output=True,
         text=True,
         timeout=60,

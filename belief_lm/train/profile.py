@@ -9,8 +9,8 @@ profiler plugin (torch-tb-profiler) at the profile directory.
 On a GPU the CUDA caching allocator's history is also recorded over the first profiled
 step and dumped as `profile/memory_rank<R>_step<A>.pickle` (drop it on
 pytorch.org/memory_viz). That part uses torch's private torch.cuda.memory API
-(_record_memory_history / _dump_snapshot) and was not run here (no GPU): it is guarded by
-the device type.
+(_record_memory_history / _dump_snapshot), guarded by the device type; its calls are tested
+on the CPU with stand-ins, and for real by a GPU-marked test (tests/train/test_profile.py).
 """
 
 from __future__ import annotations

@@ -187,16 +187,13 @@ def test_filter_syntax_is_checked_with_the_config(bad):
 def test_a_row_group_read_in_parts_is_decoded_once(tmp_path, monkeypatch):
     """A small corpus's row group cut into parts for its readers: every part reads its own
     rows (a restored position inside a part included), from one decoding of the group."""
-    from data_pipeline import sources
-
     rows = fineweb_rows(40)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet", row_group_size=40)
     src = source(str(tmp_path / "a.parquet"), id_column="id")
     parts = src.units(8)
     assert len(parts) == 8 and {(p.group, p.stop - p.start) for p in parts} == {(0, 5)}
-    decoded = []
+    decoded = []  # a new file (tmp_path): none of its groups is in the process's cache yet
     read_row_group = pq.ParquetFile.read_row_group
-    monkeypatch.setattr(sources, "_PARTS", type(sources._PARTS)())
     monkeypatch.setattr(
         pq.ParquetFile, "read_row_group",
         lambda self, *a, **k: decoded.append(a) or read_row_group(self, *a, **k),

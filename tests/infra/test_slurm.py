@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import losses
+from tests.jobs import cli_command, losses
 
 from .conftest import HERE, ROOT, TINY_RUN, job_env, logged_steps, run
 
@@ -83,10 +83,7 @@ def test_srun_tasks_know_their_place(slurm_cluster):
 def test_launch_slurm_trains_on_two_nodes(slurm_cluster, tmp_path, cache_dir):
     """`belief-lm launch slurm` renders and submits the template; 2 ranks on 2 nodes train."""
     submitted = run(
-        [
-            sys.executable,
-            "-m",
-            "belief_lm.cli",
+        cli_command(
             "launch",
             "slurm",
             *TINY_RUN,
@@ -95,7 +92,7 @@ def test_launch_slurm_trains_on_two_nodes(slurm_cluster, tmp_path, cache_dir):
             "launch.signal_seconds=60",
             f"run.output_dir={tmp_path}/run",
             f"run.cache_dir={cache_dir}",
-        ],
+        ),
         timeout=120,
         cwd=ROOT,
         env=job_env(SLURM_CONF=str(slurm_cluster)),

@@ -1,8 +1,13 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from belief_lm.parallel.env import LaunchEnvError, detect, expand_nodelist
 from belief_lm.runtime import backend_for, device_for
+from tests.jobs import ROOT
 
 TORCHRUN = {
     "RANK": "3",
@@ -161,3 +166,17 @@ def test_cuda_requested_without_gpu():
 def test_gpu_index_wraps_over_visible_devices():
     visible = torch.cuda.device_count()
     assert device_for(visible + 1, "auto") == torch.device("cuda", 1 % visible)
+
+
+def test_child_processes_of_a_test_join_no_world(single_process_group):
+    """The session's process group is up (init_distributed exported its world for the
+    rendezvous), yet a test and the processes it starts see none of it (tests/conftest.py):
+    a child started with this environment as it is is a single process of its own."""
+    assert torch.distributed.is_initialized()
+    world = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    assert not {name: os.environ[name] for name in world if name in os.environ}
+    code = "from belief_lm.parallel.env import detect; print(detect().launcher)"
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert child.stdout.strip() == "single", child.stderr

@@ -1,7 +1,8 @@
 """Seeing a run while it trains and understanding it afterwards, on the tests' micro run in
-this process: W&B offline (and a resume continuing its run), loss spikes (skipped, and a
-stop), a profiled stretch of steps, the console (a progress bar on a terminal, plain lines
-otherwise) and `belief-lm report`. The runs are shared by the tests below (CI time)."""
+this process: W&B offline (and a resume continuing its run), loss spikes (skipped, logged
+with their update applied, and a stop), a profiled stretch of steps, the console (a
+progress bar on a terminal, plain lines otherwise) and `belief-lm report`. The runs are
+shared by the tests below (CI time)."""
 
 import fcntl
 import importlib.util
@@ -89,7 +90,7 @@ def same_weights(a: dict, b: dict) -> bool:
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
 """W&B is the `wandb` extra (in dev: CI has it); without it the rest is still tested."""
 OBSERVED = [
-    "train.max_steps=8", "train.spike.action=skip", "train.spike.window=8",
+    "train.max_steps=8", "train.spike.window=8",
     "train.spike.min_history=3", "checkpoint.interval=1", "checkpoint.keep=20",
     "train.eval_interval=4", "train.eval_batches=2", "run.diagnostics_interval=4",
     "run.profile.start_step=2", "run.profile.steps=1",
@@ -102,7 +103,7 @@ OBSERVED = [
 def observed(tmp_path_factory, cache_dir):
     """Run 1: 8 steps, W&B offline, step 2 profiled, a spike at step 6 (skipped), a
     checkpoint every step; run 2 resumes it to 10 steps with a spike at step 9 (judged
-    against the loss history the checkpoint kept)."""
+    against the loss history the checkpoint kept) at the default train.spike.action=log."""
     run_dir = tmp_path_factory.mktemp("observed") / "run"
     records, logger = Records(), logging.getLogger("belief_lm")
     level = logger.level
@@ -112,7 +113,7 @@ def observed(tmp_path_factory, cache_dir):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("WANDB_MODE", "offline")  # and no network anyway
             SpikedSteps(patch, {6})
-            first = train(config(run_dir, cache_dir, *OBSERVED))
+            first = train(config(run_dir, cache_dir, *OBSERVED, "train.spike.action=skip"))
             SpikedSteps(patch, {9})
             resumed = train(config(run_dir, cache_dir, *OBSERVED, "train.max_steps=10"))
     finally:
@@ -121,23 +122,26 @@ def observed(tmp_path_factory, cache_dir):
     return {"dir": run_dir, "first": first, "resumed": resumed, "log": records.lines}
 
 
-def test_a_spike_is_logged_and_its_update_skipped(observed):
-    run_dir = observed["dir"]
+def test_a_spike_is_logged_and_its_update_skipped_or_applied(observed):
+    run_dir, log = observed["dir"], observed["log"]
     assert observed["first"].spikes == [6] and observed["resumed"].spikes == [9]
-    spikes = [r for r in rows(run_dir) if "spike_loss" in r]
-    assert [r["step"] for r in spikes] == [6, 9]
+    spikes = {r["step"]: r for r in rows(run_dir) if "spike_loss" in r}
+    assert list(spikes) == [6, 9]
     losses = {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
-    for row in spikes:
-        assert row["spike_skipped"] == 1.0 and row["spike_loss"] == losses[row["step"]]
+    for step, row in spikes.items():
+        assert row["spike_loss"] == losses[step]
         assert row["spike_loss"] > 10 * row["spike_median"] and row["spike_score"] > 6
-    # the spiked steps left the weights as they were; the steps after them trained
+    # action=skip: the spiked step left the weights as they were; the step after it trained
+    assert spikes[6]["spike_skipped"] == 1.0
     assert same_weights(weights(run_dir, 6), weights(run_dir, 5))
     assert not same_weights(weights(run_dir, 7), weights(run_dir, 6))
-    assert same_weights(weights(run_dir, 9), weights(run_dir, 8))
-    assert not same_weights(weights(run_dir, 10), weights(run_dir, 9))
-    assert any(re.match(r"step 6: loss spike .* update skipped", line) for line in observed["log"])
+    assert any(re.fullmatch(r"step 6: loss spike .*; update skipped", x) for x in log)
+    # action=log (the default): only logged; the spiked step's update was applied
+    assert spikes[9]["spike_skipped"] == 0.0
+    assert not same_weights(weights(run_dir, 9), weights(run_dir, 8))
+    assert any(re.fullmatch(r"step 9: loss spike .* of the last \d+ steps", x) for x in log)
     # without a terminal, the progress is a log line per log interval, with the ETA
-    assert any(re.match(r"step 8/8 \| loss [\d.]+ \| lr .* \| ETA ", x) for x in observed["log"])
+    assert any(re.match(r"step 8/8 \| loss [\d.]+ \| lr .* \| ETA ", x) for x in log)
 
 
 @pytest.mark.skipif(not HAVE_WANDB, reason="wandb is the wandb extra (bash setup.sh --dev)")
@@ -147,14 +151,14 @@ def test_wandb_offline_run_holds_the_scalars_and_a_resume_continues_it(observed)
     offline = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert [p.name.rsplit("-", 1)[1] for p in offline] == [run_id, run_id]  # the same W&B run
     logged = {}
-    for path in offline:
+    for path, action in zip(offline, ["skip", "log"], strict=True):  # run 1, the resume
         records = wandb_records(path)
         (run,) = [r["run"] for r in records if r["type"] == "run"]
         assert run["run_id"] == run_id and run["project"] == "belief-lm-tests"
         assert run["tags"] == ["micro", "ci"] and run["display_name"] == "run"
         updates = [r["config"]["update"] for r in records if r["type"] == "config"]
         config = {k: v for u in [run["config"]["update"], *updates] for k, v in u.items()}
-        assert config["model"]["name"] == "micro" and config["train"]["spike"]["action"] == "skip"
+        assert config["model"]["name"] == "micro" and config["train"]["spike"]["action"] == action
         assert len(config["environment"]["git_commit"]) == 40
         for record in (r["history"]["item"] for r in records if r["type"] == "history"):
             step = int(record["_step"])
@@ -166,7 +170,7 @@ def test_wandb_offline_run_holds_the_scalars_and_a_resume_continues_it(observed)
         assert logged[step]["train/lr"] == pytest.approx(row["lr"], rel=1e-12)
     (validation,) = [r for r in rows(run_dir) if r["step"] == 4 and "val_loss" in r]
     assert logged[4]["val/val_loss"] == pytest.approx(validation["val_loss"], rel=1e-12)
-    assert logged[6]["spike/spike_skipped"] == 1
+    assert logged[6]["spike/spike_skipped"] == 1 and logged[9]["spike/spike_skipped"] == 0
 
 
 def wandb_records(run_path: Path) -> list[dict]:
@@ -191,8 +195,8 @@ def test_profiled_steps_leave_a_trace_of_our_ops(observed):
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, cache_dir):
-    """Run 3: train.spike.action=stop, spikes at steps 4 and 5 (max_in_row 2), its
-    progress written to a terminal (a pty)."""
+    """Run 3, the `train` command in this process (its exit code): train.spike.action=stop,
+    spikes at steps 4 and 5 (max_in_row 2), its progress written to a terminal (a pty)."""
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
     leader, follower = os.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 wide
@@ -202,17 +206,27 @@ def stopped(tmp_path_factory, cache_dir):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "stderr", terminal)
         SpikedSteps(patch, {4, 5})
-        code = cli._train(
-            config(run_dir, cache_dir, "train.max_steps=8", "train.spike.action=stop",
-                   "train.spike.max_in_row=2", "train.spike.min_history=3")
+        code = cli.main(
+            ["train", "--config", MICRO, f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}",
+             "train.max_steps=8", "train.spike.action=stop", "train.spike.max_in_row=2",
+             "train.spike.min_history=3"]
         )  # fmt: skip
+    terminal.write(END_OF_RUN.decode())
     terminal.close()
     reader.join(timeout=10)
     return {"dir": run_dir, "code": code, "terminal": b"".join(shown).decode()}
 
 
+END_OF_RUN = b"[end of the run]"
+"""Written to the terminal after the run: where its reader stops."""
+
+
 def read_all(fd: int, into: list) -> None:
-    while True:
+    """The terminal's output up to END_OF_RUN. Not up to the terminal's close: a library may
+    hold a copy of its descriptor (DeepSpeed's compiler probe leaves a dup of stderr open
+    when it first runs here), and a reader waiting for that close keeps pytest from exiting."""
+    tail = b""  # the end of what was read: the mark may come in parts
+    while END_OF_RUN not in tail:
         try:
             chunk = os.read(fd, 4096)
         except OSError:  # the other end closed
@@ -220,6 +234,7 @@ def read_all(fd: int, into: list) -> None:
         if not chunk:
             break
         into.append(chunk)
+        tail = tail[-len(END_OF_RUN) :] + chunk
     os.close(fd)
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from belief_lm.config import TrainConfig, load_config
+from belief_lm.config import TrainConfig
 from belief_lm.train.loop import train
 from belief_lm.train.optim import WarmupCosine, adamw_kernel, build_optimizer, param_groups
 
@@ -86,20 +86,15 @@ def test_adamw_kernels_take_the_same_steps():
         torch.testing.assert_close(weights[kernel], weights["for_loop"], rtol=1e-6, atol=1e-6)
 
 
-def test_fused_adamw_through_deepspeed_trains_alike(tmp_path, cache_dir):
+def test_fused_adamw_through_deepspeed_trains_alike(tmp_path, tiny_config):
     """The option reaches the optimizer DeepSpeed's ZeRO-1 steps: same losses (fp32)."""
     losses = {}
     for kernel in ("for_loop", "fused"):
-        cfg = load_config(
-            "configs/tiny.yaml",
-            [
-                "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=192",
-                "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=4",
-                "train.max_steps=4", "train.warmup_steps=1", "run.log_interval=1",
-                "run.tensorboard=false", f"train.adamw_kernel={kernel}",
-                f"run.output_dir={tmp_path / kernel}", f"run.cache_dir={cache_dir}",
-            ],
-        )  # fmt: skip
+        cfg = tiny_config(
+            "train.max_steps=4",
+            f"train.adamw_kernel={kernel}",
+            f"run.output_dir={tmp_path / kernel}",
+        )
         losses[kernel] = list(train(cfg).losses.values())
     assert losses["fused"] == pytest.approx(losses["for_loop"], rel=1e-5)
     assert losses["fused"][-1] < losses["fused"][0]
