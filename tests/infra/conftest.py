@@ -7,12 +7,14 @@ laptop passes; under CI (CI set, as .ci/run does) a missing prerequisite fails i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -86,17 +88,75 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in lines]
 
 
+DOCKER_TOOLS = ("dockerd", "docker", "docker-compose", "debootstrap")
+IMAGE = "belief-lm:ci"
+"""The project's image (docker/Dockerfile) on the CI base image."""
+
+
+class DockerEngine:
+    """A private dockerd holding the base image belief-lm-ci/base (debootstrap + torch) and
+    the project's image, made in a background thread from the end of collection: its
+    minutes (debootstrap, pip in the image builds; mostly waiting on the network and the
+    disk) pass while the tests before test_docker.py run."""
+
+    def __init__(self) -> None:
+        self.state: Path | None = None
+        self.made: Future | None = None
+
+    def start(self) -> None:
+        if self.made is None:
+            self.state = Path(tempfile.mkdtemp(prefix="belief-lm-docker-"))
+            self.made = ThreadPoolExecutor(1, thread_name_prefix="docker").submit(self._make)
+
+    def _make(self) -> None:
+        script = str(HERE / "docker_engine.sh")
+        env = job_env(PYTHON=sys.executable)  # its pip finds torch as setup.sh's did
+        run(["bash", script, "up", str(self.state)], timeout=120, env=env)
+        run(["bash", script, "base", str(self.state)], timeout=900, env=env)
+        build = ["docker", "build", "--quiet", "--network=host"]  # pip reaches PyPI as here
+        build += ["--build-arg=BASE_IMAGE=belief-lm-ci/base", f"--tag={IMAGE}"]
+        run([*build, "--file=docker/Dockerfile", "."], timeout=900, cwd=ROOT,
+            env={**env, "DOCKER_HOST": self.host, "DOCKER_BUILDKIT": "0"})  # fmt: skip
+
+    @property
+    def host(self) -> str:
+        return f"unix://{self.state}/docker.sock"
+
+    def ready(self) -> str:
+        """DOCKER_HOST, once the engine and the images are there (raising what failed)."""
+        self.start()
+        self.made.result(timeout=1800)
+        return self.host
+
+    def stop(self) -> None:
+        """Stop the engine and delete its state (after a build still going has ended)."""
+        if self.made is not None:
+            with contextlib.suppress(BaseException):
+                self.made.result(timeout=1800)
+            script = str(HERE / "docker_engine.sh")
+            subprocess.run(["bash", script, "down", str(self.state)], timeout=120, check=False)
+            self.made = None
+
+
+DOCKER = DockerEngine()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start making the Docker engine and images if Docker tests are to run and can."""
+    wanted = any(item.path.name == "test_docker.py" for item in session.items)
+    if wanted and os.geteuid() == 0 and all(shutil.which(tool) for tool in DOCKER_TOOLS):
+        DOCKER.start()
+
+
+def pytest_sessionfinish() -> None:
+    DOCKER.stop()  # also when the Docker tests never ran
+
+
 @pytest.fixture(scope="session")
 def docker_host():
-    """DOCKER_HOST of a private dockerd holding the base image belief-lm-ci/base
-    (debootstrap + torch), stopped and deleted after the session."""
-    require("dockerd", "docker", "docker-compose", "debootstrap")
-    state = Path(tempfile.mkdtemp(prefix="belief-lm-docker-"))
-    script = str(HERE / "docker_engine.sh")
-    env = job_env(PYTHON=sys.executable)  # its pip finds torch as setup.sh's did
+    """DOCKER_HOST of the private dockerd (DockerEngine), stopped after the session."""
+    require(*DOCKER_TOOLS)
     try:
-        run(["bash", script, "up", str(state)], timeout=120, env=env)
-        run(["bash", script, "base", str(state)], timeout=900, env=env)
-        yield f"unix://{state}/docker.sock"
+        yield DOCKER.ready()
     finally:
-        subprocess.run(["bash", script, "down", str(state)], timeout=120, check=False)
+        DOCKER.stop()

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import HERE, ROOT, TINY_RUN, job_env, logged_steps, run
+from .conftest import HERE, IMAGE, ROOT, TINY_RUN, job_env, logged_steps, run
 
-# the first test's set-up builds the base and project images: minutes, past the default
+# the first test's set-up may wait minutes for the images (conftest.DockerEngine)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-IMAGE = "belief-lm:ci"
 USER_ID = 1001  # docker/Dockerfile's default
 
 
@@ -25,22 +24,7 @@ def docker_env(docker_host):
 
 @pytest.fixture(scope="module")
 def image(docker_env):
-    """The project's image on the CI base (--network host: pip reaches PyPI as on the host)."""
-    run(
-        [
-            "docker",
-            "build",
-            "--quiet",
-            "--network=host",
-            "--build-arg=BASE_IMAGE=belief-lm-ci/base",
-            f"--tag={IMAGE}",
-            "--file=docker/Dockerfile",
-            ".",
-        ],
-        timeout=900,
-        cwd=ROOT,
-        env=docker_env,
-    )
+    """The project's image on the CI base, built with the engine (conftest.DockerEngine)."""
     return IMAGE
 
 
