@@ -14,6 +14,7 @@ import pytest
 import torch
 from corpora import (
     FINEWEB_SCHEMA,
+    corrupt_row_group,
     fineweb_rows,
     read_documents,
     source,
@@ -27,17 +28,6 @@ from data_pipeline.sources import DataFault, Source, failure_kind
 from data_pipeline.stream import skip_problem
 
 CPU = torch.device("cpu")
-
-
-def corrupt_row_group(path, group: int) -> None:
-    """Overwrite the data pages of one row group's text column (the footer stays intact,
-    so the file opens and lists its row groups as before)."""
-    column = pq.ParquetFile(path).metadata.row_group(group).column(0)
-    first = column.dictionary_page_offset or column.data_page_offset
-    end = first + column.total_compressed_size  # the chunk, dictionary page included
-    with open(path, "r+b") as f:
-        f.seek(column.data_page_offset + 4)
-        f.write(b"\xba\xad\xf0\x0d" * ((end - column.data_page_offset - 8) // 4))
 
 
 def three_row_groups(path):

@@ -12,8 +12,8 @@ import pytest
 import torch
 from corpora import (
     EOS,
-    FINEWEB_SCHEMA,
     fineweb_rows,
+    one_row_group_files,
     read_documents,
     source,
     split_after_eos,
@@ -32,18 +32,6 @@ from data_pipeline.stream import epoch_shares, slot_source
 
 CPU = torch.device("cpu")
 SEQ = 32
-
-
-def unequal_row_groups(folder, sizes=(1, 7, 256, 1000), chars=200) -> list[dict]:
-    """One parquet file per size, each a single row group of that many rows."""
-    folder.mkdir(parents=True)
-    rows, offset = [], 0
-    for i, size in enumerate(sizes):
-        part = fineweb_rows(size, offset=offset, chars=chars)
-        table = pa.Table.from_pylist(part, schema=FINEWEB_SCHEMA)
-        pq.write_table(table, folder / f"{i:03d}.parquet", row_group_size=size)
-        rows, offset = rows + part, offset + size
-    return rows
 
 
 def expected_documents(tokenizer, rows, fraction) -> Counter:
@@ -76,7 +64,7 @@ def test_one_epoch_delivers_every_document_once_whatever_the_row_groups(
     """Row groups of 1, 7, 256 and 1000 rows, 8 readers over 2 data-parallel ranks: the
     windows up to the global epoch boundary hold every training document exactly once;
     the next epoch then delivers them all again."""
-    rows = unequal_row_groups(tmp_path / "unequal")
+    rows = one_row_group_files(tmp_path / "unequal", (1, 7, 256, 1000))
     data = DataConfig(
         sources=[{"uri": f"{tmp_path}/unequal/*.parquet", "id_column": "id"}],
         validation_fraction=0.1, num_workers=0, seed=3,
