@@ -61,16 +61,18 @@ def delivered(global_batches: list, readers: int) -> Counter:
 def test_one_epoch_delivers_every_document_once_whatever_the_row_groups(
     tmp_path, embedded_tokenizer
 ):
-    """Row groups of 1, 7, 256 and 1000 rows, 8 readers over 2 data-parallel ranks: the
-    windows up to the global epoch boundary hold every training document exactly once;
-    the next epoch then delivers them all again."""
-    rows = one_row_group_files(tmp_path / "unequal", (1, 7, 256, 1000))
+    """Row groups of 1, 7, 256 and 1000 rows, 8 readers over 2 data-parallel ranks with 2
+    loader workers each (as training builds them): the windows up to the global epoch
+    boundary hold every training document exactly once; the next epoch then delivers them
+    all again."""
+    rows = one_row_group_files(tmp_path / "unequal", (1, 7, 256, 1000), chars=80)
     data = DataConfig(
         sources=[{"uri": f"{tmp_path}/unequal/*.parquet", "id_column": "id"}],
-        validation_fraction=0.1, num_workers=0, seed=3,
+        validation_fraction=0.1, num_workers=2, seed=3,
     )  # fmt: skip
     ranks = Ranks(2)
     datas = ranks.build(data, embedded_tokenizer, SEQ, global_batch=8, micro=2)
+    assert [d.num_workers for d in datas] == [2, 2]  # 2 readers in each worker
     expected = expected_documents(embedded_tokenizer, rows, 0.1)
     assert len(expected) > 1000
     epoch0 = []
@@ -85,6 +87,8 @@ def test_one_epoch_delivers_every_document_once_whatever_the_row_groups(
     while datas[0].stats()["data/0/epoch"] == 1:
         epoch1 += ranks.steps(datas, 1)
     assert delivered(epoch1, 8) == expected
+    for d in datas:
+        d.close()
 
 
 def test_shares_are_balanced_by_size_and_cover_every_unit():
