@@ -4,7 +4,6 @@ an in-memory stand-in for the trainer's all-reduce: enough to test layouts witho
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from corpora import step_windows
@@ -47,9 +46,43 @@ class Ranks:
     def steps(self, datas: list, k: int) -> list[list[list[int]]]:
         """k global batches: per step, every rank's windows in rank order (as
         corpora.window_tokens: padding dropped, a padding window empty)."""
-        with ThreadPoolExecutor(self.n) as pool:
-            per_rank = list(pool.map(lambda data: _steps(data, k), datas))
+        # plain threads, no ThreadPoolExecutor: a loader worker forked from a pool's thread
+        # fails at its exit (the pool's exit hook joins its threads, the forking one too:
+        # exit code 1, which DataLoader raises in this process as a worker failure)
+        per_rank, errors = [None] * self.n, []
+
+        def rank_steps(rank: int) -> None:
+            try:
+                per_rank[rank] = _steps(datas[rank], k)
+            except BaseException as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=rank_steps, args=(r,)) for r in range(self.n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
         return [[w for rank in per_rank for w in rank[step]] for step in range(k)]
+
+    def epoch(self, datas: list) -> list[list[list[int]]]:
+        """The global batches up to the end of source 0's current epoch (the step at which
+        the next one begins for every reader)."""
+        batches, epoch = [], datas[0].stats().get("data/0/epoch", 0)
+        while datas[0].stats().get("data/0/epoch", 0) == epoch:
+            batches += self.steps(datas, 1)
+        return batches
+
+
+def resumed(n: int, state: dict, k: int, data, tokenizer, *shape: int) -> list:
+    """k global batches of `n` ranks continuing from a data state (merge_states of
+    another layout's ranks); `shape`: seq_len, global batch, micro-batch."""
+    ranks = Ranks(n)
+    datas = ranks.build(data, tokenizer, *shape)
+    for part in datas:
+        part.load_state_dict(state)
+    return ranks.steps(datas, k)
 
 
 def _steps(data, k: int) -> list[list[list[int]]]:
