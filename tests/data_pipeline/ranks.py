@@ -4,6 +4,7 @@ an in-memory stand-in for the trainer's all-reduce: enough to test layouts witho
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from corpora import step_windows
@@ -46,24 +47,13 @@ class Ranks:
     def steps(self, datas: list, k: int) -> list[list[list[int]]]:
         """k global batches: per step, every rank's windows in rank order (as
         corpora.window_tokens: padding dropped, a padding window empty)."""
-        # plain threads, no ThreadPoolExecutor: a loader worker forked from a pool's thread
-        # fails at its exit (the pool's exit hook joins its threads, the forking one too:
-        # exit code 1, which DataLoader raises in this process as a worker failure)
-        per_rank, errors = [None] * self.n, []
-
-        def rank_steps(rank: int) -> None:
-            try:
-                per_rank[rank] = _steps(datas[rank], k)
-            except BaseException as err:
-                errors.append(err)
-
-        threads = [threading.Thread(target=rank_steps, args=(r,)) for r in range(self.n)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
+        # loader workers forked here, one rank after another, as each rank's process would:
+        # forked from the pool's threads at once, stopping them stalled (leaked pipes) and
+        # they exited with code 1 (the pool's exit hook joined the forking thread)
+        for data in datas:
+            data.start()
+        with ThreadPoolExecutor(self.n) as pool:
+            per_rank = list(pool.map(lambda data: _steps(data, k), datas))
         return [[w for rank in per_rank for w in rank[step]] for step in range(k)]
 
     def epoch(self, datas: list) -> list[list[list[int]]]:
