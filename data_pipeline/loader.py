@@ -275,11 +275,17 @@ class TrainData:
             skipped = sum(source_counts[k] for k in SKIPPED)
             self.health[f"data/{s}/skipped"] = float(skipped)
 
+    def start(self) -> None:
+        """Start the loader workers now, not at the next step: from the thread that should
+        fork them (two threads forking at once leak each one's pipes into the other's
+        workers, so that stopping a worker waits for the other's to end)."""
+        if self._loader is None:
+            self._start_workers()
+
     def _stage(self):
         """The step's windows, in slot order, and the states and finished epochs they
         would commit (nothing is committed until every rank has its step)."""
-        if self._loader is None:
-            self._start_workers()
+        self.start()
         windows, states, finished = [], {}, set()
         for r in self.plan.mine:
             for slot in self.plan.slots(self.step, r):

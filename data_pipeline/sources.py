@@ -20,13 +20,18 @@ naming the config key, file and column.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import io
 import itertools
 import json
 import logging
+import lzma
 import os
+import socket
+import sys
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -55,7 +60,10 @@ would decode its group again from the first row."""
 CHECKED_LINES = 100
 """Lines of a JSON lines file the pre-flight reads for its columns."""
 RETRIES = 3
-"""Attempts at opening or reading a remote file (with 1, 2, 4 s pauses) before it fails."""
+"""Attempts at reading a file's metadata or a unit's rows when the network fails, before
+the source fails (each read again from the row it had reached)."""
+RETRY_PAUSE = 1.0
+"""Seconds before the second attempt; doubled before each later one."""
 _EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".txt": "text"}
 _COMPRESSIONS = (".gz", ".zst")
 _TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
@@ -72,6 +80,74 @@ class SourceError(ValueError):
 class DataFault(RuntimeError):
     """Data that failed while a run was reading it (a corrupt row group, a vanished file,
     an unreachable hub, too many unusable rows): the message names the source and where."""
+
+
+_TRANSPORT_ERRORS = (
+    ("http.client", "HTTPException"),  # urllib, and what requests and urllib3 wrap
+    ("urllib3.exceptions", "HTTPError"),
+    ("requests", "RequestException"),
+    ("aiohttp", "ClientError"),  # fsspec's HTTP file system
+    ("httpx", "HTTPError"),
+    ("httpx2", "HTTPError"),  # huggingface_hub's HfFileSystem (hf:// files)
+    ("huggingface_hub.errors", "HfHubHTTPError"),
+)
+"""(module, class): the base of each network library's errors. Most are no OSError, and
+the OSErrors among them (requests', the hub's) are no builtin ConnectionError."""
+_NETWORK_ERRNOS = frozenset(
+    {errno.ENETDOWN, errno.ENETUNREACH, errno.ENETRESET, errno.EHOSTDOWN, errno.EHOSTUNREACH}
+)
+_CORRUPT_ERRORS = (EOFError, pa.ArrowException, zlib.error, lzma.LZMAError, UnicodeDecodeError)
+"""Raised by decoding bytes that were read: a truncated or garbled compressed stream, a
+parquet page arrow cannot decode (which pyarrow raises as a plain OSError, as gzip
+raises BadGzipFile: see failure_kind)."""
+
+
+def failure_kind(err: BaseException) -> str | None:
+    """What a failure to read a unit of data says about the source:
+
+    - 'transport': the network or a remote store failed (a connection, a timeout, an HTTP
+      error of any library fsspec, the hub or datasets use): worth retrying; after the
+      retries the source fails.
+    - 'source': the file is gone or forbidden, or the system failed to read it (an OSError
+      carrying an errno): the source fails.
+    - 'corrupt': the bytes were read but cannot be decoded (a corrupt parquet page, a
+      broken compressed stream): only this unit is lost (data.on_corrupt_row_group).
+    - None: not a data error (a bug: let it raise).
+
+    The network libraries are never imported here: an error of a library not imported
+    cannot have been raised. A failure anywhere in the chain of causes counts (errors
+    re-raised with the file's name keep theirs; fsspec's HTTP files raise FileNotFoundError
+    from a connection that failed)."""
+    chain = [err]
+    while len(chain) < 16 and (cause := chain[-1].__cause__ or chain[-1].__context__):
+        chain.append(cause)
+    if any(_is_transport(e) for e in chain):
+        return "transport"
+    if any(
+        isinstance(e, (FileNotFoundError, PermissionError))
+        or (isinstance(e, OSError) and e.errno is not None)  # EIO, ESTALE, ...: the system's
+        for e in chain
+    ):
+        return "source"
+    if isinstance(err, (OSError, *_CORRUPT_ERRORS)) or _is_instance(err, "zstandard", "ZstdError"):
+        return "corrupt"  # an OSError without errno: raised by a decoder (arrow, gzip)
+    return None
+
+
+def _is_transport(err: BaseException) -> bool:
+    if isinstance(err, (ConnectionError, TimeoutError)):  # socket.timeout, FSTimeoutError too
+        return True
+    if isinstance(err, OSError) and (
+        err.errno in _NETWORK_ERRNOS or isinstance(err, (socket.gaierror, socket.herror))
+    ):
+        return True
+    return any(_is_instance(err, module, name) for module, name in _TRANSPORT_ERRORS)
+
+
+def _is_instance(err: BaseException, module: str, name: str) -> bool:
+    """isinstance(err, module.name), False if that module was never imported."""
+    base = getattr(sys.modules.get(module), name, None)
+    return isinstance(base, type) and isinstance(err, base)
 
 
 @dataclass(frozen=True)
@@ -165,15 +241,20 @@ class Source:
         """Pre-flight: the source opens and has the needed columns (metadata/first rows)."""
         for path in self.files():
             try:
-                if self.file_format == "parquet":
-                    self._check_parquet(path)
-                elif self.file_format == "jsonl":
-                    self._check_jsonl(path)
-                else:
-                    with _binary(path) as f:
-                        f.read(1)
-            except (OSError, EOFError, pa.ArrowException) as err:
+                _retry(lambda path=path: self._check_file(path), path)
+            except Exception as err:
+                if failure_kind(err) is None:
+                    raise
                 raise SourceError("uri", f"cannot read {path}: {err}") from None
+
+    def _check_file(self, path: str) -> None:
+        if self.file_format == "parquet":
+            self._check_parquet(path)
+        elif self.file_format == "jsonl":
+            self._check_jsonl(path)
+        else:
+            with _binary(path) as f:
+                f.read(1)
 
     def _check_parquet(self, path: str) -> None:
         schema = _parquet_file(path).schema_arrow
@@ -236,7 +317,7 @@ class Source:
         whole = []
         for i, path in enumerate(self.files()):
             if self.file_format == "parquet":  # size: uncompressed bytes, a proxy for tokens
-                meta = _parquet_file(path).metadata
+                meta = _retry(lambda path=path: _parquet_file(path).metadata, path)
                 for g in range(meta.num_row_groups):
                     group = meta.row_group(g)
                     whole.append(Unit(i, g, 0, group.num_rows, max(1, group.total_byte_size)))
@@ -348,20 +429,27 @@ def _decoded_group(path: str, parquet: pq.ParquetFile, group: int, columns: tupl
 
 
 def _parquet_file(path: str) -> pq.ParquetFile:
-    return _retry(lambda: pq.ParquetFile(fsspec.open(path, "rb").open()), path)
+    return pq.ParquetFile(fsspec.open(path, "rb").open())
 
 
 def _retry(action, path: str):
-    """`action()`, retried on errors of a remote file system; local errors are at once."""
-    remote = "://" in path and not path.startswith("file://")
-    for attempt in range(RETRIES if remote else 1):
+    """`action()`, attempted again (up to RETRIES in all) while the network fails; any
+    other error at once."""
+    for attempt in range(1, RETRIES + 1):
         try:
             return action()
-        except (OSError, TimeoutError):
-            if not remote or attempt == RETRIES - 1:
+        except Exception as err:
+            if attempt == RETRIES or failure_kind(err) != "transport":
                 raise
-            time.sleep(2**attempt)
+            retry_pause(attempt, path, err)
     raise AssertionError("unreachable")
+
+
+def retry_pause(attempt: int, where: str, err: BaseException) -> None:
+    """Wait before attempt `attempt` + 1 at reading `where`, which failed with `err`."""
+    pause = RETRY_PAUSE * 2 ** (attempt - 1)
+    log.warning("%s: %s; attempt %d of %d in %.0f s", where, err, attempt + 1, RETRIES, pause)
+    time.sleep(pause)
 
 
 def _line_rows(path: str, unit: Unit, fmt: str, text_unit: str) -> Iterator:
@@ -396,7 +484,7 @@ def _lines_in_range(path: str, unit: Unit) -> Iterator[tuple[int, bytes]]:
                 yield offset, line
                 offset += len(line)
     except (OSError, EOFError) as err:
-        raise OSError(f"{path}: unreadable after byte {offset}: {err}") from err
+        raise OSError(f"unreadable after byte {offset}: {err}") from err  # kind: the cause
 
 
 def _paragraphs(path: str) -> Iterator[tuple[dict, str]]:
@@ -449,7 +537,7 @@ def _parse_uri(cfg: SourceConfig) -> tuple[str, str, str | None]:
 def _binary(path: str) -> Iterator[io.BufferedReader]:
     """`path` opened for buffered binary reading, .gz / .zst decompressed by extension
     (zstandard's reader cannot iterate lines by itself)."""
-    with _retry(lambda: fsspec.open(path, "rb", compression="infer"), path) as f:
+    with fsspec.open(path, "rb", compression="infer") as f:
         yield io.BufferedReader(f)
 
 

@@ -37,10 +37,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from data_pipeline.documents import SKIP_REASONS, Document, split_of
-from data_pipeline.sources import DataFault, Source, Unit
+from data_pipeline.sources import RETRIES, DataFault, Source, Unit, failure_kind, retry_pause
 from data_pipeline.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -164,7 +163,12 @@ def slot_source(slot: int, weights: Sequence[float]) -> int:
 
 class DocumentReader:
     """The documents of a list of units from a position (unit, row), with counts of rows,
-    documents, filtered, held-out and skipped rows; skips logged with their file and row."""
+    documents, filtered, held-out and skipped rows; skips logged with their file and row.
+
+    A unit that fails to read (`sources.failure_kind`) is read again from the row it had
+    reached while the network fails (RETRIES attempts), is skipped or stops the run if it
+    is corrupt (data.on_corrupt_row_group), and otherwise (the network still down, the
+    file gone) fails the source: a DataFault naming the source, file and row."""
 
     def __init__(self, source: Source, units: Sequence[Unit], settings: StreamSettings):
         self.source, self.units, self.settings = source, units, settings
@@ -179,50 +183,71 @@ class DocumentReader:
                 yield doc, u, r, before
 
     def _unit_documents(self, unit: Unit, first: int) -> Iterator[tuple[Document, int, dict]]:
-        following, where, counts = first, None, self.counts  # following: the next row's index
-        try:
-            for index, (row, where) in enumerate(self.source.rows(unit, first), first):
-                before = dict(counts)
-                counts["rows"] += 1
-                following = index + 1
-                doc = self.source.parser(row)
-                if isinstance(doc, Document):
-                    if self.settings.split and (
-                        split_of(doc.id, self.settings.validation_fraction) != self.settings.split
-                    ):
-                        counts["held_out"] += 1
-                        continue
-                    counts["documents"] += 1
-                    yield doc, index, before
+        following = [first]  # the next row's index in the unit (_read_unit advances it)
+        for attempt in range(1, RETRIES + 1):
+            try:
+                yield from self._read_unit(unit, following)
+                return
+            except Exception as err:  # (a generator's close at exit must not evaluate names)
+                kind = failure_kind(err)
+                if kind == "transport" and attempt < RETRIES:
+                    retry_pause(attempt, self._where(unit, following[0]), err)
                     continue
-                counts[doc] += 1
-                if doc in SKIP_REASONS:
-                    self._log_skip(doc, where)
-                if counts["rows"] >= STUCK_ROWS and not counts["documents"]:
-                    raise DataFault(
-                        f"{self.source.cfg.uri}: {counts['rows']} rows read without a usable "
-                        f"document (last: {where}, {doc})"
-                    )
-        except Exception as err:  # (a generator's close at exit must not evaluate names)
-            if isinstance(err, (FileNotFoundError, PermissionError, ConnectionError, TimeoutError)):
-                raise DataFault(f"{self.source.cfg.uri}: {self._file(unit)}: {err}") from None
-            if not isinstance(err, (OSError, EOFError, pa.ArrowException)):
-                raise
-            self._corrupt_unit(unit, following, err)
+                if kind is None:
+                    raise
+                if kind == "corrupt":
+                    self._corrupt_unit(unit, following[0], err)
+                    return
+                tries = f" (after {RETRIES} attempts)" if kind == "transport" else ""
+                raise DataFault(f"{self._cannot_read(unit, following[0], err)}{tries}") from None
 
-    def _file(self, unit: Unit) -> str:
-        return "the embedded corpus" if unit.file < 0 else self.source.files()[unit.file]
+    def _read_unit(self, unit: Unit, following: list[int]) -> Iterator[tuple]:
+        counts, where = self.counts, None
+        for index, (row, where) in enumerate(self.source.rows(unit, following[0]), following[0]):
+            before = dict(counts)
+            counts["rows"] += 1
+            following[0] = index + 1
+            doc = self.source.parser(row)
+            if isinstance(doc, Document):
+                if self.settings.split and (
+                    split_of(doc.id, self.settings.validation_fraction) != self.settings.split
+                ):
+                    counts["held_out"] += 1
+                    continue
+                counts["documents"] += 1
+                yield doc, index, before
+                continue
+            counts[doc] += 1
+            if doc in SKIP_REASONS:
+                self._log_skip(doc, where)
+            if counts["rows"] >= STUCK_ROWS and not counts["documents"]:
+                raise DataFault(
+                    f"{self.source.cfg.uri}: {counts['rows']} rows read without a usable "
+                    f"document (last: {where}, {doc})"
+                )
+
+    def _where(self, unit: Unit, following: int) -> str:
+        """The file and the row a unit's read had reached (`following`: in the unit)."""
+        if unit.file < 0:
+            return f"the embedded corpus at document {unit.start + following}"
+        path, first = self.source.files()[unit.file], unit.start
+        if self.source.file_format == "parquet":
+            rows = f"rows {first}-{unit.stop - 1}"
+            return f"{path} row group {unit.group} ({rows}) at row {first + following}"
+        part = f" of its part from byte {first}" if first else ""  # lines: counted from there
+        return f"{path} at row {following}{part}"
+
+    def _cannot_read(self, unit: Unit, following: int, err: Exception) -> str:
+        reason = " ".join(str(err).split())  # one line: arrow's messages span several
+        return f"{self.source.cfg.uri}: cannot read {self._where(unit, following)}: {reason}"
 
     def _corrupt_unit(self, unit: Unit, following: int, err: Exception) -> None:
         """A unit that cannot be read on (a corrupt parquet page, a broken compressed
         stream): skipped with its unread rows, or the run stops, as configured."""
-        where, row = self._file(unit), unit.start + following  # `following`: in the unit
-        if self.source.file_format == "parquet":
-            where += f" row group {unit.group} (rows {unit.start}-{unit.stop - 1}) at row {row}"
-        reason = " ".join(str(err).split())  # one line: arrow's messages span several
-        message = f"{self.source.cfg.uri}: cannot read {where}: {reason}"
+        message = self._cannot_read(unit, following, err)
         if self.settings.on_corrupt_row_group == "stop":
             raise DataFault(f"{message} (data.on_corrupt_row_group=stop)")
+        row = unit.start + following
         lost = unit.stop - row if self.source.file_format == "parquet" else 1
         self.counts["rows"] += lost
         self.counts["corrupt_row_group"] += lost

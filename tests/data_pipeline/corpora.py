@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -92,6 +93,30 @@ def write_fineweb(
         pq.write_table(table, folder / f"{f:03d}_00000.parquet", row_group_size=row_group_size)
         rows += part
     return rows
+
+
+def one_row_group_files(folder: Path, sizes: Sequence[int], chars: int = 200) -> list[dict]:
+    """FineWeb-Edu rows in one parquet file per size (000.parquet, ...), each a single row
+    group of that many rows; the rows, in file order."""
+    folder.mkdir(parents=True)
+    rows, offset = [], 0
+    for i, size in enumerate(sizes):
+        part = fineweb_rows(size, offset=offset, chars=chars)
+        table = pa.Table.from_pylist(part, schema=FINEWEB_SCHEMA)
+        pq.write_table(table, folder / f"{i:03d}.parquet", row_group_size=size)
+        rows, offset = rows + part, offset + size
+    return rows
+
+
+def corrupt_row_group(path, group: int) -> None:
+    """Overwrite the data pages of one row group's text column (the footer stays intact,
+    so the file opens and lists its row groups as before)."""
+    column = pq.ParquetFile(path).metadata.row_group(group).column(0)
+    first = column.dictionary_page_offset or column.data_page_offset
+    end = first + column.total_compressed_size  # the chunk, dictionary page included
+    with open(path, "r+b") as f:
+        f.seek(column.data_page_offset + 4)
+        f.write(b"\xba\xad\xf0\x0d" * ((end - column.data_page_offset - 8) // 4))
 
 
 def write_openwebtext_jsonl(path: Path, lines: list[bytes]) -> None:

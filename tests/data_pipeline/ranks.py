@@ -47,9 +47,32 @@ class Ranks:
     def steps(self, datas: list, k: int) -> list[list[list[int]]]:
         """k global batches: per step, every rank's windows in rank order (as
         corpora.window_tokens: padding dropped, a padding window empty)."""
+        # loader workers forked here, one rank after another, as each rank's process would:
+        # forked from the pool's threads at once, stopping them stalled (leaked pipes) and
+        # they exited with code 1 (the pool's exit hook joined the forking thread)
+        for data in datas:
+            data.start()
         with ThreadPoolExecutor(self.n) as pool:
             per_rank = list(pool.map(lambda data: _steps(data, k), datas))
         return [[w for rank in per_rank for w in rank[step]] for step in range(k)]
+
+    def epoch(self, datas: list) -> list[list[list[int]]]:
+        """The global batches up to the end of source 0's current epoch (the step at which
+        the next one begins for every reader)."""
+        batches, epoch = [], datas[0].stats().get("data/0/epoch", 0)
+        while datas[0].stats().get("data/0/epoch", 0) == epoch:
+            batches += self.steps(datas, 1)
+        return batches
+
+
+def resumed(n: int, state: dict, k: int, data, tokenizer, *shape: int) -> list:
+    """k global batches of `n` ranks continuing from a data state (merge_states of
+    another layout's ranks); `shape`: seq_len, global batch, micro-batch."""
+    ranks = Ranks(n)
+    datas = ranks.build(data, tokenizer, *shape)
+    for part in datas:
+        part.load_state_dict(state)
+    return ranks.steps(datas, k)
 
 
 def _steps(data, k: int) -> list[list[list[int]]]:

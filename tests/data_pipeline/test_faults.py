@@ -1,39 +1,46 @@
 """Data that fails while a run reads it: corrupt row groups (skipped or stopping), files
 that vanish, sources with too many unusable rows (judged fairly), and start-up errors."""
 
+import errno
+import gzip
 import json
 import logging
+import lzma
+import socket
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from corpora import FINEWEB_SCHEMA, fineweb_rows, take, write_openwebtext_jsonl
+from corpora import (
+    FINEWEB_SCHEMA,
+    corrupt_row_group,
+    fineweb_rows,
+    read_documents,
+    source,
+    take,
+    write_openwebtext_jsonl,
+)
 
 from data_pipeline.build import build_train_data, tokenizer_sample
 from data_pipeline.config import DataConfig
-from data_pipeline.sources import DataFault
+from data_pipeline.sources import DataFault, Source, failure_kind
 from data_pipeline.stream import skip_problem
 
 CPU = torch.device("cpu")
 
 
-def corrupt_row_group(path, group: int) -> None:
-    """Overwrite the data pages of one row group's text column (the footer stays intact,
-    so the file opens and lists its row groups as before)."""
-    column = pq.ParquetFile(path).metadata.row_group(group).column(0)
-    first = column.dictionary_page_offset or column.data_page_offset
-    end = first + column.total_compressed_size  # the chunk, dictionary page included
-    with open(path, "r+b") as f:
-        f.seek(column.data_page_offset + 4)
-        f.write(b"\xba\xad\xf0\x0d" * ((end - column.data_page_offset - 8) // 4))
+def three_row_groups(path):
+    """30 FineWeb-Edu rows in row groups of 10."""
+    rows = fineweb_rows(30, chars=300)
+    pq.write_table(pa.Table.from_pylist(rows, schema=FINEWEB_SCHEMA), path, row_group_size=10)
+    return path
 
 
 @pytest.fixture
 def three_groups(tmp_path):
-    path = tmp_path / "data.parquet"
-    rows = fineweb_rows(30, chars=300)
-    pq.write_table(pa.Table.from_pylist(rows, schema=FINEWEB_SCHEMA), path, row_group_size=10)
+    """Three row groups, the second corrupt."""
+    path = three_row_groups(tmp_path / "data.parquet")
     corrupt_row_group(path, 1)
     return path
 
@@ -74,10 +81,151 @@ def test_a_vanished_file_stops_the_run_naming_it(tmp_path, embedded_tokenizer):
     take(batches, 2)
     state = batches.state_dict()
     (tmp_path / "1.parquet").unlink()
-    with pytest.raises(DataFault, match=r"1\.parquet"):
+    where = r"1\.parquet row group 0 \(rows \d+-\d+\) at row \d+: \[Errno 2\] No such file"
+    with pytest.raises(DataFault, match=rf"\*\.parquet: cannot read \S+/{where}"):
         for _ in range(200):
             take(batches, 1)
     assert batches.state_dict()["step"] >= state["step"]  # nothing of the failed step kept
+
+
+def raised(action) -> BaseException:
+    """The error `action()` raises."""
+    try:
+        action()
+    except BaseException as err:
+        return err
+    raise AssertionError(f"{action} raised nothing")
+
+
+def unreachable_url() -> str:
+    """An http:// address nothing listens at (a port bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/000_00000.parquet"
+
+
+def network_errors() -> dict[str, BaseException]:
+    """What the installed network libraries raise when the hub or a server is unreachable
+    (raised for real where a refused connection or a response object can raise them)."""
+    import aiohttp
+    import fsspec
+    import httpx
+    import httpx2  # huggingface_hub's HTTP client
+    import requests
+    import urllib3
+    from huggingface_hub.utils import hf_raise_for_status
+
+    url, hub = unreachable_url(), "https://huggingface.co/api/datasets/x/y"
+    return {
+        "fsspec http (aiohttp), server down": raised(lambda: fsspec.open(url, "rb").open()),
+        "requests, server down": raised(lambda: requests.get(url, timeout=30)),
+        "httpx, server down": raised(lambda: httpx.get(url)),
+        "hf:// files (httpx2), server down": raised(lambda: httpx2.get(url)),
+        "the hub, 503": raised(
+            lambda: hf_raise_for_status(httpx2.Response(503, request=httpx2.Request("GET", hub)))
+        ),
+        "aiohttp, connection dropped": aiohttp.ServerDisconnectedError(),
+        "aiohttp, payload cut short": aiohttp.ClientPayloadError("Response payload not complete"),
+        "requests, chunked read broken": requests.exceptions.ChunkedEncodingError("broken"),
+        "urllib3, connection aborted": urllib3.exceptions.ProtocolError("Connection aborted."),
+        "a read timed out (socket.timeout)": TimeoutError("timed out"),
+        "DNS": socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+        "network unreachable": OSError(errno.ENETUNREACH, "Network is unreachable"),
+        "connection reset": ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+    }
+
+
+def corrupt_errors(three_groups, tmp_path) -> dict[str, BaseException]:
+    """What decoding damaged bytes raises (all for real)."""
+    import zstandard
+
+    packed = gzip.compress(bytes(range(256)) * 40)
+    zstd = zstandard.ZstdCompressor().compress(bytes(range(256)) * 40)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(b'{"text": "a row"}\n' * 2000)[:-100])
+    return {
+        "parquet data page": raised(lambda: pq.ParquetFile(three_groups).read_row_group(1)),
+        "parquet footer": raised(lambda: pq.ParquetFile(pa.BufferReader(b"not parquet" * 9))),
+        "gzip cut short": raised(lambda: gzip.decompress(packed[:-20])),
+        "gzip garbled": raised(lambda: gzip.decompress(packed[:12] + b"\xff" * 64 + packed[76:])),
+        "not gzip": raised(lambda: gzip.decompress(b"plain text")),
+        "zstd garbled": raised(
+            lambda: zstandard.ZstdDecompressor().decompress(zstd[:6] + bytes(50) + zstd[56:])
+        ),
+        "xz garbled": raised(lambda: lzma.decompress(b"garbage")),
+        "not UTF-8": raised(lambda: b"\xff\xfe".decode()),
+        "a line file's stream cut short": raised(lambda: list(_rows_of(cut))),
+    }
+
+
+def _rows_of(path) -> list:
+    src = source(str(path))
+    return [row for unit in src.units() for row in src.rows(unit)]
+
+
+def test_read_failures_are_classified_by_what_they_say_of_the_source(three_groups, tmp_path):
+    """The network failing (retried, then the source fails), the file gone or the system
+    failing (the source fails), the bytes undecodable (only that unit is corrupt), or a
+    bug (raised as it is): classified by type, with the real errors of the installed
+    libraries, most of which are no builtin ConnectionError (requests' and the hub's are
+    OSErrors: taken for corrupt data before)."""
+    gone = tmp_path / "gone.jsonl"
+    gone.write_bytes(b'{"text": "a row"}\n')
+    src = source(str(gone))
+    units = src.units()
+    gone.unlink()
+    sources = {
+        "a vanished file, read by lines": raised(lambda: list(src.rows(units[0]))),
+        "a vanished file, opened": raised(lambda: pq.ParquetFile(tmp_path / "gone.parquet")),
+        "fsspec http, 404": FileNotFoundError("http://example.org/000_00000.parquet"),
+        "forbidden": PermissionError(errno.EACCES, "Permission denied"),
+        "a disk error": OSError(errno.EIO, "Input/output error"),
+    }
+    bugs = {"a missing key": KeyError("text"), "a type": TypeError("unsupported operand")}
+    cases = {
+        **{name: (err, "transport") for name, err in network_errors().items()},
+        **{name: (err, "source") for name, err in sources.items()},
+        **{name: (err, "corrupt") for name, err in corrupt_errors(three_groups, tmp_path).items()},
+        **{name: (err, None) for name, err in bugs.items()},
+    }
+    got = {name: (repr(err), failure_kind(err)) for name, (err, _) in cases.items()}
+    assert got == {name: (repr(err), kind) for name, (err, kind) in cases.items()}
+
+
+@pytest.mark.parametrize("failures", [2, 3])
+def test_a_unit_is_read_again_where_the_network_failed(tmp_path, monkeypatch, caplog, failures):
+    """The connection drops after every 3 rows of the first row group, `failures` times:
+    read again from the row it had reached, the documents are those of an undisturbed
+    read; dropped at every attempt (3), the source fails naming file, row group and row."""
+    import requests
+
+    path = three_row_groups(tmp_path / "data.parquet")
+    monkeypatch.setattr("data_pipeline.sources.RETRY_PAUSE", 0)
+    expected, _ = read_documents(source(str(path)))
+    rows, calls = Source.rows, []
+
+    def dropping(self, unit, skip=0):
+        calls.append(skip)
+        for n, row in enumerate(rows(self, unit, skip)):
+            if n == 3 and len(calls) <= failures:
+                raise requests.ConnectionError("Connection aborted: RemoteDisconnected")
+            yield row
+
+    monkeypatch.setattr(Source, "rows", dropping)
+    with caplog.at_level(logging.WARNING, logger="data_pipeline.sources"):
+        if failures == 3:
+            with pytest.raises(DataFault) as fault:
+                read_documents(source(str(path)))
+            assert str(fault.value) == (
+                f"{path}: cannot read {path} row group 0 (rows 0-9) at row 9: "
+                "Connection aborted: RemoteDisconnected (after 3 attempts)"
+            )
+            return
+        docs, counts = read_documents(source(str(path)))
+    assert [d.id for d in docs] == [d.id for d in expected] and counts["rows"] == 30
+    assert calls == [0, 3, 6, 0, 0]  # then the other two row groups, undisturbed
+    assert f"{path} row group 0 (rows 0-9) at row 6: Connection aborted" in caplog.text
+    assert "attempt 3 of 3" in caplog.text
 
 
 def bad_jsonl(path, rows: int, bad) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from corpora import read_documents, source, write_openwebtext_jsonl
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from ranks import Ranks
+from ranks import Ranks, resumed
 
 from data_pipeline.build import build_tokenizer, build_train_data
 from data_pipeline.config import DataConfig
@@ -47,10 +47,7 @@ def test_prepared_samples_are_shuffled_and_each_read_once_per_epoch(prepared, em
     data = DataConfig(sources=[f"prepared:{out}"], num_workers=0, seed=4)
     ranks = Ranks(2)
     datas = ranks.build(data, embedded_tokenizer, 32, global_batch=8, micro=2)
-    steps = []
-    while datas[0].stats().get("data/0/epoch", 0) == 0:
-        steps += ranks.steps(datas, 1)
-    windows = [tuple(w) for step in steps for w in step if w]
+    windows = [tuple(w) for step in ranks.epoch(datas) for w in step if w]
     prepared_source = source(f"prepared:{out}")
     prepared_source.open(datas[0].settings)
     gpt = prepared_source.samples("train")  # megatron's GPTDataset, built by open()
@@ -86,13 +83,34 @@ def test_training_blends_prepared_and_streaming_sources_and_resumes(
     two = Ranks(2)
     first = build(two, 0)
     assert two.steps(first, 13) == reference[:13]
-    four = Ranks(4)
-    resumed = build(four, 0)
-    for part in resumed:
-        part.load_state_dict(merge_states([d.state_dict() for d in first]))
-    assert four.steps(resumed, 27) == reference[13:]
-    counts = resumed[0].stats()
+    state = merge_states([d.state_dict() for d in first])
+    without_workers = data.model_copy(update={"num_workers": 0})
+    assert resumed(4, state, 27, without_workers, embedded_tokenizer, 32, 8, 2) == reference[13:]
+    counts = first[0].stats()
     assert counts["data/0/samples"] > 0 and counts["data/1/documents"] > 0
+
+
+def test_a_prepared_state_continues_at_another_data_parallel_size_across_epochs(
+    prepared, embedded_tokenizer
+):
+    """Prepared data alone, 8 readers: 2 ranks stopped in the epoch's last step (readers
+    with a sample fewer done), then 1 rank and 4 ranks from the merged state give exactly
+    the global batches of an uninterrupted single rank, into the next epoch (reshuffled)."""
+    out, _, _ = prepared
+    data = DataConfig(sources=[f"prepared:{out}"], num_workers=0, seed=4)
+    single = Ranks(1)
+    datas = single.build(data, embedded_tokenizer, 32, global_batch=8, micro=2)
+    reference = single.epoch(datas)
+    stop = len(reference) - 1
+    reference += single.steps(datas, 5)
+    two = Ranks(2)
+    first = two.build(data, embedded_tokenizer, 32, global_batch=8, micro=2)
+    assert two.steps(first, stop) == reference[:stop]
+    state = merge_states([d.state_dict() for d in first])
+    assert any(state["finished"].values()) and not all(state["finished"].values())
+    for n in (1, 4):
+        continued = resumed(n, state, 6, data, embedded_tokenizer, 32, 8, 2)
+        assert continued == reference[stop:], f"continued on {n} rank(s)"
 
 
 def test_prepared_data_refuses_another_tokenizer(tmp_path, prepared, embedded_tokenizer):

@@ -12,8 +12,8 @@ import pytest
 import torch
 from corpora import (
     EOS,
-    FINEWEB_SCHEMA,
     fineweb_rows,
+    one_row_group_files,
     read_documents,
     source,
     split_after_eos,
@@ -22,7 +22,7 @@ from corpora import (
     write_fineweb,
     write_openwebtext_jsonl,
 )
-from ranks import Ranks
+from ranks import Ranks, resumed
 
 from data_pipeline.build import build_train_data, build_validation_data
 from data_pipeline.config import DataConfig
@@ -32,18 +32,6 @@ from data_pipeline.stream import epoch_shares, slot_source
 
 CPU = torch.device("cpu")
 SEQ = 32
-
-
-def unequal_row_groups(folder, sizes=(1, 7, 256, 1000), chars=200) -> list[dict]:
-    """One parquet file per size, each a single row group of that many rows."""
-    folder.mkdir(parents=True)
-    rows, offset = [], 0
-    for i, size in enumerate(sizes):
-        part = fineweb_rows(size, offset=offset, chars=chars)
-        table = pa.Table.from_pylist(part, schema=FINEWEB_SCHEMA)
-        pq.write_table(table, folder / f"{i:03d}.parquet", row_group_size=size)
-        rows, offset = rows + part, offset + size
-    return rows
 
 
 def expected_documents(tokenizer, rows, fraction) -> Counter:
@@ -73,30 +61,29 @@ def delivered(global_batches: list, readers: int) -> Counter:
 def test_one_epoch_delivers_every_document_once_whatever_the_row_groups(
     tmp_path, embedded_tokenizer
 ):
-    """Row groups of 1, 7, 256 and 1000 rows, 8 readers over 2 data-parallel ranks: the
-    windows up to the global epoch boundary hold every training document exactly once;
-    the next epoch then delivers them all again."""
-    rows = unequal_row_groups(tmp_path / "unequal")
+    """Row groups of 1, 7, 256 and 1000 rows, 8 readers over 2 data-parallel ranks with 2
+    loader workers each (as training builds them): the windows up to the global epoch
+    boundary hold every training document exactly once; the next epoch then delivers them
+    all again."""
+    rows = one_row_group_files(tmp_path / "unequal", (1, 7, 256, 1000), chars=80)
     data = DataConfig(
         sources=[{"uri": f"{tmp_path}/unequal/*.parquet", "id_column": "id"}],
-        validation_fraction=0.1, num_workers=0, seed=3,
+        validation_fraction=0.1, num_workers=2, seed=3,
     )  # fmt: skip
     ranks = Ranks(2)
     datas = ranks.build(data, embedded_tokenizer, SEQ, global_batch=8, micro=2)
+    assert [d.num_workers for d in datas] == [2, 2]  # 2 readers in each worker
     expected = expected_documents(embedded_tokenizer, rows, 0.1)
     assert len(expected) > 1000
-    epoch0 = []
-    while datas[0].stats().get("data/0/epoch", 0) == 0:
-        epoch0 += ranks.steps(datas, 1)
+    epoch0 = ranks.epoch(datas)
     assert delivered(epoch0, 8) == expected  # every training document, each exactly once
     stats = datas[0].stats()
     assert stats["data/0/held_out"] + stats["data/0/documents"] == stats["data/0/rows"] == len(rows)
     padding = sum(not w for batch in epoch0 for w in batch)
     assert padding < 0.1 * 8 * len(epoch0), padding  # shares are balanced by size
-    epoch1 = []
-    while datas[0].stats()["data/0/epoch"] == 1:
-        epoch1 += ranks.steps(datas, 1)
-    assert delivered(epoch1, 8) == expected
+    assert delivered(ranks.epoch(datas), 8) == expected
+    for d in datas:
+        d.close()
 
 
 def test_shares_are_balanced_by_size_and_cover_every_unit():
@@ -109,35 +96,32 @@ def test_shares_are_balanced_by_size_and_cover_every_unit():
     assert epoch_shares(units, 4, 5, 0) != epoch_shares(units, 4, 5, 1)  # reshuffled
 
 
-@pytest.mark.parametrize("stop", [3, 17])
+@pytest.mark.parametrize(("stop", "tail"), [(3, False), (29, True)])
 def test_a_state_continues_exactly_at_another_data_parallel_size(
-    tmp_path, embedded_tokenizer, stop
+    tmp_path, embedded_tokenizer, stop, tail
 ):
-    """8 readers: 2 ranks to step `stop`, then 1 rank and 4 ranks from the merged state,
-    give exactly the global batches of an uninterrupted single rank (epoch ends included)."""
-    write_fineweb(tmp_path / "fw", files=4, rows_per_file=20, row_group_size=7, chars=400)
+    """8 readers: 2 ranks to step `stop` (29: in the epoch's tail, some readers done and
+    padding), then 1 rank and 4 ranks from the merged state give exactly the global
+    batches of an uninterrupted single rank, across the epoch boundary (step 34); its
+    epoch holds every training document once."""
+    rows = write_fineweb(tmp_path / "fw", files=4, rows_per_file=20, row_group_size=7, chars=400)
     data = DataConfig(
         sources=[{"uri": f"{tmp_path}/fw/sample/10BT/*.parquet", "id_column": "id"}],
         num_workers=0, validation_fraction=0.1, seed=5,
     )  # fmt: skip
-    steps = 40  # crosses an epoch boundary (about 25 steps)
-
-    def run(n, state=None, k=steps):
-        ranks = Ranks(n)
-        datas = ranks.build(data, embedded_tokenizer, SEQ, global_batch=8, micro=2)
-        if state is not None:
-            for d in datas:
-                d.load_state_dict(state)
-        return ranks.steps(datas, k), datas
-
-    reference, ref_datas = run(1)
-    assert ref_datas[0].stats()["data/0/epoch"] >= 1
-    first, datas = run(2, k=stop)
-    assert first == reference[:stop]
-    state = merge_states([d.state_dict() for d in datas])
+    single = Ranks(1)
+    datas = single.build(data, embedded_tokenizer, SEQ, global_batch=8, micro=2)
+    reference = single.epoch(datas)
+    assert delivered(reference, 8) == expected_documents(embedded_tokenizer, rows, 0.1)
+    reference += single.steps(datas, 6)  # into the next epoch
+    two = Ranks(2)
+    first = two.build(data, embedded_tokenizer, SEQ, global_batch=8, micro=2)
+    assert two.steps(first, stop) == reference[:stop]
+    state = merge_states([d.state_dict() for d in first])
+    assert any(state["finished"].values()) == tail and list(state["epochs"]) == [0]
     for n in (1, 4):
-        resumed, _ = run(n, state, steps - stop)
-        assert resumed == reference[stop:], f"continued on {n} rank(s)"
+        continued = resumed(n, state, len(reference) - stop, data, embedded_tokenizer, SEQ, 8, 2)
+        assert continued == reference[stop:], f"continued on {n} rank(s)"
 
 
 def test_workers_change_nothing_but_speed(tmp_path, embedded_tokenizer):
