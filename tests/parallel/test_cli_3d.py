@@ -9,9 +9,9 @@ from tests.jobs import run_cli
 
 RUN = [
     "train", "--config", "configs/tiny.yaml", "model.seq_length=64",
-    "train.micro_batch_size=4", "train.global_batch_size=16", "train.max_steps=20",
-    "train.warmup_steps=5", "run.diagnostics_interval=10", "train.eval_interval=10",
-    "train.eval_batches=2",
+    "train.micro_batch_size=4", "train.global_batch_size=16", "train.max_steps=12",
+    "train.warmup_steps=3", "run.log_interval=6", "run.diagnostics_interval=6",
+    "train.eval_interval=6", "train.eval_batches=2",
 ]  # fmt: skip
 
 
@@ -36,9 +36,9 @@ def test_belief_star_trains_at_tp2_pp2_dp2(tmp_path, cache_dir):
     validation = [r for r in rows if "val_loss" in r]
     rows = [r for r in rows if "loss" in r]
     losses = [r["loss"] for r in rows]
-    assert [r["step"] for r in validation] == [10, 20]  # through the pipeline engine
+    assert [r["step"] for r in validation] == [6, 12]  # through the pipeline engine
     assert validation[1]["val_loss"] < validation[0]["val_loss"]
-    assert [r["step"] for r in rows] == [10, 20]
+    assert [r["step"] for r in rows] == [6, 12]
     assert losses[-1] < losses[0], losses
     # the same global batches as one process: the same losses up to fp32 reduction order
     assert losses == pytest.approx(logged_losses(tmp_path / "single"), rel=1e-4)
@@ -46,7 +46,7 @@ def test_belief_star_trains_at_tp2_pp2_dp2(tmp_path, cache_dir):
     diagnostics = [
         json.loads(line) for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()
     ]
-    assert [d["step"] for d in diagnostics] == [10, 20]
+    assert [d["step"] for d in diagnostics] == [6, 12]
     for layer in range(1, 5):  # both pipeline stages' layers, gathered
         ratio = diagnostics[-1][f"layer{layer}/delta_over_mh"]
         assert 0 < ratio <= 1 + 1e-5  # ||Δ|| <= ||MH||
