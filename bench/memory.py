@@ -45,10 +45,11 @@ SHAPES = {
 
 
 LARGER = {
-    "gpt2-124m": {(1, 1, 0, "none"), (1, 1, 1, "none"), (1, 1, 3, "none"), (2, 1, 1, "none"),
-                  (1, 2, 1, "none"), (1, 1, 0, "selective"), (1, 1, 0, "full")},
-    "llama-188m": {(1, 1, 0, "none"), (1, 1, 1, "none"), (2, 1, 0, "none"),
-                   (1, 1, 0, "selective")},
+    "gpt2-124m": {(1, 1, 0, "none"), (1, 1, 1, "none"), (1, 1, 2, "none"), (1, 1, 3, "none"),
+                  (2, 1, 1, "none"), (1, 2, 1, "none"), (1, 1, 0, "selective"),
+                  (1, 1, 0, "full")},
+    "llama-188m": {(1, 1, 0, "none"), (1, 1, 1, "none"), (1, 1, 2, "none"), (1, 1, 3, "none"),
+                   (2, 1, 0, "none"), (2, 1, 1, "none"), (1, 1, 0, "selective")},
 }  # fmt: skip
 """(TP, DP, ZeRO, recompute) cases of the larger models."""
 

@@ -12,14 +12,19 @@ Writes a FineWeb-Edu-schema parquet corpus (the embedded corpus's documents join
             per second of wall time and per second of the workers' CPU time;
 and the largest resident memory of a worker while streaming a 1x and a 16x corpus. The
 machine may be shared: each round measures raw, 1 worker and 2 workers back to back, ratios
-are taken within a round, and the medians over --repeats rounds are reported.
+are taken within a round, and the medians over --repeats rounds are reported. Last, with
+--train-steps N: the real `belief-lm train` of configs/tiny.yaml on the corpus with 1 and 2
+loader workers, and the share of its step time spent waiting for data (metrics.jsonl's
+data_wait_s over step_time_s, the first logged interval, which holds the start-up, left out).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -104,6 +109,22 @@ def pipeline_run(data: DataConfig, tokenizer, tokens: int, seq_len: int, batch: 
     }
 
 
+def training_run(corpus: Path, workers: int, steps: int, cache_dir: str, out: Path) -> dict:
+    """The data wait of `belief-lm train` (configs/tiny.yaml, `steps` steps) on the corpus."""
+    source = f"[{{uri: '{corpus}/*.parquet', id_column: id}}]"
+    command = [sys.executable, "-m", "belief_lm.cli", "train", "--config", "configs/tiny.yaml",
+               f"data.sources={source}", f"data.num_workers={workers}", f"train.max_steps={steps}",
+               "run.tensorboard=false", f"run.output_dir={out}",
+               f"run.cache_dir={cache_dir}"]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(command, cwd=root, check=True, capture_output=True, timeout=1800)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "data_wait_s" in r][1:]  # past the start-up's interval
+    wait, step = sum(r["data_wait_s"] for r in rows), sum(r["step_time_s"] for r in rows)
+    return {"workers": workers, "steps": steps, "data_wait_s_per_step": wait / len(rows),
+            "step_time_s": step / len(rows), "data_wait_share": wait / step}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--doc-chars", type=int, default=4000)
@@ -111,6 +132,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--train-steps", type=int, default=100, help="0: no training runs")
     parser.add_argument("--cache-dir", default="~/.cache/belief-lm")
     parser.add_argument("--out", default="bench/results/streaming_tokenization_cpu.json")
     args = parser.parse_args()
@@ -146,6 +168,16 @@ def main() -> None:
                 run["vs_raw"] = run["tokens_per_s"] / max(w, 1) / raw[-1]["tokens_per_s"]
                 run["cpu_vs_raw"] = run["tokens_per_cpu_s"] / raw[-1]["tokens_per_cpu_s"]
                 results.append(run)
+        training = [
+            training_run(
+                corpora[args.copies], w, args.train_steps, args.cache_dir, Path(tmp) / f"run{w}"
+            )
+            for w in ((1, 2) if args.train_steps else ())
+        ]
+        for run in training:
+            share = 100 * run["data_wait_share"]
+            print(f"training, {run['workers']} worker(s): data wait {share:.2f}% of the step "
+                  f"({run['step_time_s']:.3f} s)")  # fmt: skip
         memory = {
             f"{c}x": pipeline_run(
                 data(c, 1), tokenizer, int(0.9 * total * c / args.copies), args.seq_len, args.batch
@@ -188,6 +220,7 @@ def main() -> None:
         },
         "pipeline": rows,
         "max_worker_rss_mb_by_corpus_copies": memory,
+        "training": training,
         "cpu_cores": os.cpu_count(),
         "load_average_before_after": [load_before, os.getloadavg()],
     }

@@ -1,8 +1,9 @@
 """Every command that reads a checkpoint, each in a fresh process, on real multi-rank
 checkpoints (TP=2 x PP=2 with ZeRO-1, TP=2 x DP=2 with ZeRO-3): evaluate, export (torch and
 Hugging Face), generate, and lm-eval (the downstream tasks the runs evaluated while
-training). References: the validation loss the training layout computed on its live
-engine, and BeliefLM built here from the consolidated checkpoint ("ours")."""
+training); the torch export also on every other layout those tests save. References: the
+validation loss the training layout computed on its live engine, and BeliefLM built here
+from the consolidated checkpoint ("ours")."""
 
 import json
 import math
@@ -15,10 +16,13 @@ from belief_lm.checkpoint.files import read_info
 from belief_lm.export.torch_file import load_model
 from belief_lm.inference.generate import Sampling, generate
 from data_pipeline.tokenizer import Tokenizer
-from tests.checkpoint.conftest import PPL_DOCS, STEPS, WITH_TASKS, checkpoint, metrics
+from tests.checkpoint.conftest import PPL_DOCS, RUNS, STEPS, WITH_TASKS, checkpoint, metrics
 from tests.jobs import run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.parametrize("name", WITH_TASKS)]
+pytestmark = pytest.mark.slow
+with_tasks = pytest.mark.parametrize("name", WITH_TASKS)
+OTHER_LAYOUTS = [name for name in RUNS if name not in WITH_TASKS]
+"""Every other layout the checkpoint tests save, for the torch export in a fresh process."""
 SEQ = 32  # configs/test/micro.yaml's model.seq_length
 
 
@@ -40,6 +44,7 @@ def probe(tokenizer: Tokenizer) -> torch.Tensor:
     return torch.randint(0, tokenizer.vocab_size, (2, SEQ), generator=generator)
 
 
+@with_tasks
 def test_evaluate_equals_the_training_layouts_validation_loss(saved_layouts, name, tmp_path):
     run = saved_layouts[name]
     (validated,) = [row for row in metrics(run) if "val_loss" in row]
@@ -53,10 +58,24 @@ def test_evaluate_equals_the_training_layouts_validation_loss(saved_layouts, nam
     assert result["loss"] == pytest.approx(validated["val_loss"], rel=1e-6)
 
 
+@with_tasks
 def test_torch_export_computes_ours(saved_layouts, name, single_process_group, tmp_path):
-    cli("export", "--checkpoint", str(checkpoint(saved_layouts[name])), "--format", "torch",
+    export_computes_ours(saved_layouts[name], tmp_path)
+
+
+@pytest.mark.parametrize("name", OTHER_LAYOUTS)
+def test_torch_export_of_other_layouts_computes_ours(
+    saved_layouts, name, single_process_group, tmp_path
+):
+    export_computes_ours(saved_layouts[name], tmp_path)
+
+
+def export_computes_ours(run, tmp_path) -> None:
+    """`belief-lm export --format torch` of the run's checkpoint, in a fresh process, gives
+    our model's logits exactly."""
+    cli("export", "--checkpoint", str(checkpoint(run)), "--format", "torch",
         "--output", str(tmp_path / "model.pt"))  # fmt: skip
-    model, tokenizer = ours(saved_layouts[name])
+    model, tokenizer = ours(run)
     ids = probe(tokenizer)
     with torch.no_grad():
         torch.testing.assert_close(
@@ -64,6 +83,7 @@ def test_torch_export_computes_ours(saved_layouts, name, single_process_group, t
         )
 
 
+@with_tasks
 def test_hf_export_computes_ours(saved_layouts, name, single_process_group, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -77,6 +97,7 @@ def test_hf_export_computes_ours(saved_layouts, name, single_process_group, tmp_
         torch.testing.assert_close(hf(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+@with_tasks
 def test_generate_continues_as_ours(saved_layouts, name, single_process_group):
     prompt = "The for statement"
     done = cli("generate", "--checkpoint", str(checkpoint(saved_layouts[name])), "--prompt",
@@ -105,6 +126,7 @@ def bits_per_byte(model, tokenizer) -> float:
     return -logp_total / size / math.log(2)
 
 
+@with_tasks
 def test_downstream_tasks_ran_on_the_checkpoints_during_training(
     saved_layouts, name, single_process_group
 ):
