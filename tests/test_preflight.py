@@ -31,6 +31,13 @@ def test_a_good_layout_is_worked_out():
         (8, ["parallel.tensor=8"], "model.num_attention_heads (4) is not divisible by"),
         (4, ["parallel.tensor=4"], "query groups (num_query_groups) (2) is not divisible"),
         (2, ["train.micro_batch_size=16"], "must be a multiple of train.micro_batch_size (16)"),
+        (2, ["train.micro_batch_size=16"], "micro-batch sizes that work here: 1, 2, 4, 8"),
+        (
+            3,
+            ["train.global_batch_size=12", "train.micro_batch_size=1", "data.readers=4"],
+            "must divide the run's 4 data readers (data.readers); data-parallel sizes that "
+            "work: 1, 2, 4",
+        ),
         (4, ["parallel.pipeline=2", "parallel.zero_stage=2"], "cannot be combined"),
         (8, ["parallel.pipeline=8"], "exceeds model.num_layers (4)"),
         (2, ["parallel.pipeline=2", "train.spike.action=skip"], "train.spike.action=skip cannot"),
