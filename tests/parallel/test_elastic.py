@@ -70,3 +70,17 @@ def test_a_checkpoint_continues_on_other_layouts_with_the_same_losses(mixture, t
         assert sorted(resumed) == list(range(SAVED + 1, STEPS + 1)), name
         for s in resumed:
             assert resumed[s] == pytest.approx(whole[s], rel=1e-5), (name, s)
+
+
+@pytest.mark.slow
+def test_a_zero2_checkpoint_continues_at_another_data_parallel_size(mixture, tmp_path):
+    """ZeRO-2's partitioned optimizer state goes through the universal checkpoint as
+    ZeRO-1's does: saved at DP=2, continued at DP=1 with the uninterrupted losses."""
+    saved = tmp_path / "dp2"
+    whole = train(saved, mixture, 2, "parallel.zero_stage=2", f"checkpoint.interval={SAVED}")
+    step = saved / "checkpoints" / f"step_{SAVED:06d}"
+    resumed = train(tmp_path / "dp1", mixture, 1, "parallel.zero_stage=2",
+                    f"checkpoint.resume={step}")  # fmt: skip
+    assert sorted(resumed) == list(range(SAVED + 1, STEPS + 1))
+    for s in resumed:
+        assert resumed[s] == pytest.approx(whole[s], rel=1e-5), s
