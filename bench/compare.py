@@ -16,7 +16,6 @@ paper's Fig. 6/7: validation loss against steps and against wall-clock).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -30,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from belief_lm.report import read_jsonl  # noqa: E402
 from belief_lm.variants import VARIANTS  # noqa: E402
 from bench.common import write_result  # noqa: E402
 
@@ -51,7 +51,7 @@ def train_one(variant: str, seed: int, args, run_dir: Path) -> list[dict]:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} seed {seed} failed:\n{done.stderr[-3000:]}")
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def curve(rows: list[dict]) -> dict[int, tuple[float, float]]:

@@ -10,7 +10,6 @@ median step time over the logged steps after warm-up; writes JSON to bench/resul
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from belief_lm.report import read_jsonl  # noqa: E402
 from bench.common import write_result  # noqa: E402
 
 VARIANTS = ["softmax", "belief", "belief_star"]
@@ -45,7 +45,7 @@ def run(tp: int, variant: str, args, overrides: list[str]) -> list[float]:
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // tp))}
         subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=3600)
-        rows = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines()]
+        rows = read_jsonl(Path(out, "metrics.jsonl"))
     steps = [r for r in rows if "loss" in r]  # not the validation rows a config may add
     return [r["step_time_s"] for r in steps[args.warmup :]]
 

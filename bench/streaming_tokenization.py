@@ -21,7 +21,6 @@ data_wait_s over step_time_s, the first logged interval, which holds the start-u
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from belief_lm.report import read_jsonl
 from bench.common import write_result
 from data_pipeline.build import build_tokenizer, build_train_data
 from data_pipeline.config import DataConfig
@@ -118,7 +118,7 @@ def training_run(corpus: Path, workers: int, steps: int, cache_dir: str, out: Pa
                f"run.cache_dir={cache_dir}"]  # fmt: skip
     root = Path(__file__).resolve().parents[1]
     subprocess.run(command, cwd=root, check=True, capture_output=True, timeout=1800)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "metrics.jsonl")
     rows = [r for r in rows if "data_wait_s" in r][1:]  # past the start-up's interval
     wait, step = sum(r["data_wait_s"] for r in rows), sum(r["step_time_s"] for r in rows)
     return {"workers": workers, "steps": steps, "data_wait_s_per_step": wait / len(rows),
