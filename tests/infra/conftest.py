@@ -91,6 +91,7 @@ def logged_steps(run_dir: Path) -> list[int]:
 DOCKER_TOOLS = ("dockerd", "docker", "docker-compose", "debootstrap")
 IMAGE = "belief-lm:ci"
 """The project's image (docker/Dockerfile) on the CI base image."""
+DOCKER_ENGINE = str(HERE / "docker_engine.sh")
 
 
 class DockerEngine:
@@ -109,10 +110,9 @@ class DockerEngine:
             self.made = ThreadPoolExecutor(1, thread_name_prefix="docker").submit(self._make)
 
     def _make(self) -> None:
-        script = str(HERE / "docker_engine.sh")
         env = job_env(PYTHON=sys.executable)  # its pip finds torch as setup.sh's did
-        run(["bash", script, "up", str(self.state)], timeout=120, env=env)
-        run(["bash", script, "base", str(self.state)], timeout=900, env=env)
+        run(["bash", DOCKER_ENGINE, "up", str(self.state)], timeout=120, env=env)
+        run(["bash", DOCKER_ENGINE, "base", str(self.state)], timeout=900, env=env)
         build = ["docker", "build", "--quiet", "--network=host"]  # pip reaches PyPI as here
         build += ["--build-arg=BASE_IMAGE=belief-lm-ci/base", f"--tag={IMAGE}"]
         run([*build, "--file=docker/Dockerfile", "."], timeout=900, cwd=ROOT,
@@ -133,8 +133,8 @@ class DockerEngine:
         if self.made is not None:
             with contextlib.suppress(BaseException):
                 self.made.result(timeout=1800)
-            script = str(HERE / "docker_engine.sh")
-            subprocess.run(["bash", script, "down", str(self.state)], timeout=120, check=False)
+            down = ["bash", DOCKER_ENGINE, "down", str(self.state)]
+            subprocess.run(down, timeout=120, check=False)
             self.made = None
 
 
