@@ -408,7 +408,7 @@ def throughput(bench: Bench, layout) -> None:
             entry |= measure_largest(bench, layout, cfg_for, known.get((preset, attention), 1))
             known[(preset, attention)] = entry["micro_batch"]
             print(f"  micro-batch {entry['micro_batch']}: {entry['tokens_per_s']:,.0f} tokens/s, "
-                  f"{entry['peak_memory_gb']} GB", flush=True)  # fmt: skip
+                  f"{fmt(entry['peak_memory_gb'], '')} GB", flush=True)  # fmt: skip
         except Exception as err:  # recorded; the other runs go on
             bench.record_error(entry, err)
             release(None)
@@ -605,7 +605,7 @@ def markdown_table(result: dict) -> str:
         head = "| config | tokens/s (1 GPU) | TFLOP/s | MFU | peak memory GB | projected hours |"
         rows = [
             f"| {r['config']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
-            f"{fmt(r['mfu'])} | {r['peak_memory_gb']} | {r['projection']['hours']:.1f} "
+            f"{fmt(r['mfu'])} | {fmt(r['peak_memory_gb'], '')} | {r['projection']['hours']:.1f} "
             f"on {r['projection']['gpus']} |"
             for r in result["runs"]
             if "tokens_per_s" in r
@@ -618,7 +618,7 @@ def markdown_table(result: dict) -> str:
         rows = [
             f"| {r['model']} | {r['attention']} | {r['option']} | {r['micro_batch']} | "
             f"{r['tokens_per_s']:,.0f} | {r['tflops']:.2f} | {fmt(r['mfu'])} | "
-            f"{r['peak_memory_gb']} | {fmt(r.get('ratio_to_softmax'), '.3f')} |"
+            f"{fmt(r['peak_memory_gb'], '')} | {fmt(r.get('ratio_to_softmax'), '.3f')} |"
             for r in result["runs"]
             if "tokens_per_s" in r
         ]
@@ -627,6 +627,7 @@ def markdown_table(result: dict) -> str:
 
 
 def fmt(value, spec: str = ".1%") -> str:
+    """`value` formatted, or "-" where it was not measured (None: MFU and GPU memory on CPU)."""
     return "-" if value is None else format(value, spec)
 
 
