@@ -2,9 +2,11 @@
 
 The opt-in fast paths at TP=2 against the plain path at TP=2 (which test_equivalence holds
 to TP=1), belief_star with an untied output layer: model.fused_output_projection (each
-rank's GEMM against its shards [W^o_r | W^s_r], then the one all-reduce) and
-train.loss_chunk_tokens (the chunked loss over each rank's vocabulary shard). Saves each
-rank's loss and gradients of every path to OUT.rank<r>."""
+rank's GEMM against its shards [W^o_r | W^s_r], then the one all-reduce),
+train.loss_chunk_tokens (the chunked loss over each rank's vocabulary shard) and
+model.compile=layer (each decoder layer, its tensor-parallel collectives included, through
+torch.compile and Inductor). Saves each rank's loss and gradients of every path, and
+torch.compile's graph and graph-break counts, to OUT.rank<r>."""
 
 import sys
 import warnings
@@ -13,6 +15,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 from belief_lm.model.gpt import BeliefLM, set_loss_chunking  # noqa: E402
 from belief_lm.parallel.env import detect  # noqa: E402
@@ -22,7 +25,7 @@ from tests.models import tiny_model  # noqa: E402
 
 VOCAB, CHUNK, SEED = 256, 23, 3
 PATHS = {"plain": ({}, 0), "fused_output": ({"fused_output_projection": True}, 0)}
-PATHS |= {"chunked_loss": ({}, CHUNK)}
+PATHS |= {"chunked_loss": ({}, CHUNK), "compiled": ({"compile": "layer"}, 0)}
 """Name: (model options, train.loss_chunk_tokens)."""
 
 
@@ -45,7 +48,9 @@ def main() -> None:
     init_distributed(detect(), select_device("cpu"), timeout_s=120)
     init_model_parallel(2, 1)
     paths = {name: loss_and_grads(options, chunk, 2) for name, (options, chunk) in PATHS.items()}
-    torch.save(paths, f"{sys.argv[1]}.rank{dist.get_rank()}")
+    graphs = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    saved = {"paths": paths, "graphs_and_breaks": graphs}
+    torch.save(saved, f"{sys.argv[1]}.rank{dist.get_rank()}")
 
 
 if __name__ == "__main__":

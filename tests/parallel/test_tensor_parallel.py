@@ -73,15 +73,18 @@ def test_llama_1b_layers_train_at_tp2(tmp_path, cache_dir):
 
 @pytest.mark.usefixtures("single_process_group")
 def test_fast_paths_at_tp2(tmp_path):
-    """The fused [W^o | W^s] GEMM and the chunked loss over a vocabulary shard at TP=2:
-    on each rank the loss and every gradient shard of the plain TP=2 path, whose loss is
-    the TP=1 model's."""
+    """The fused [W^o | W^s] GEMM, the chunked loss over a vocabulary shard and the compiled
+    decoder layers at TP=2: on each rank the loss and every gradient shard of the plain
+    TP=2 path, whose loss is the TP=1 model's; torch.compile makes one graph for the layers
+    (shared, with the collectives inside it) and breaks none."""
     out = tmp_path / "paths.pt"
-    result = torchrun(2, "tests/parallel/fast_paths.py", str(out), timeout=300)
+    result = torchrun(2, "tests/parallel/fast_paths.py", str(out), timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     tp1_loss, _ = fast_paths.loss_and_grads({}, 0, 1)
     for rank in (0, 1):
         saved = torch.load(f"{out}.rank{rank}", weights_only=False)
-        torch.testing.assert_close(saved["plain"][0], tp1_loss, rtol=1e-6, atol=0)
+        paths = saved["paths"]
+        torch.testing.assert_close(paths["plain"][0], tp1_loss, rtol=1e-6, atol=0)
         for name in fast_paths.PATHS:
-            assert_same(saved[name], saved["plain"])
+            assert_same(paths[name], paths["plain"])
+        assert saved["graphs_and_breaks"] == (1, 0)
