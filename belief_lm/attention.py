@@ -140,13 +140,6 @@ def causal_pool(x: Tensor, scale: int, dim: int) -> Tensor:
     return (sums / (ends - starts + 1)).movedim(-1, dim).to(x.dtype)
 
 
-def pooled_causal_mask(seq_len: int, scale: int, device: torch.device | None = None) -> Tensor:
-    """Boolean [seq_len, slots] mask, True where query i may attend to pooled slot b
-    (b*scale <= i): every position the slot averages is at or before i."""
-    slot_ends = torch.arange(0, seq_len, scale, device=device)
-    return slot_ends.unsqueeze(0) <= torch.arange(seq_len, device=device).unsqueeze(1)
-
-
 def heads_from_groups(kv: Tensor, heads: int, dim: int = 1) -> Tensor:
     """Repeat KV groups along `dim` so each of `heads` query heads has its own copy
     (megatron and SDPA's GQA order: query heads g*r .. g*r+r-1 share group g)."""
@@ -206,8 +199,28 @@ def _attend(
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=softmax_scale, enable_gqa=True
         )
-    mask = pooled_causal_mask(seq_len, scale, device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
+    return _attend_pooled(q, k, v, scale, softmax_scale)
+
+
+def _attend_pooled(q: Tensor, k: Tensor, v: Tensor, scale: int, softmax_scale) -> Tensor:
+    """Attention-SH's pooled attention as plain causal attention, so that it runs in SDPA's
+    flash kernel: with a [seq, slots] mask (query i sees slot b where b*scale <= i) SDPA
+    falls back to its math or efficient kernel.
+
+    Query i = g*scale + o (group g, offset o < scale) sees slots 0..g: the same slots for
+    every query of group g, and there are as many groups as slots. Each offset o is made a
+    head of its own over the groups, with its head's keys: then query (o, g) sees keys
+    0..g, which is exactly is_causal over the ceil(s/scale) groups. The keys are copied per
+    offset (as many elements as the unpooled keys) rather than shared as GQA groups: not
+    every flash kernel takes GQA (the CPU one falls back to math)."""
+    b, heads, seq_len, d = q.shape
+    groups = k.shape[2]
+    q = F.pad(q, (0, 0, 0, groups * scale - seq_len))  # the last group's missing offsets
+    q = q.view(b, heads, groups, scale, d).transpose(2, 3).reshape(b, heads * scale, groups, d)
+    k, v = heads_from_groups(k, heads * scale), heads_from_groups(v, heads * scale)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale)
+    out = out.view(b, heads, scale, groups, d).transpose(2, 3).reshape(b, heads, -1, d)
+    return out[:, :, :seq_len]
 
 
 def residual_signal(

@@ -121,8 +121,11 @@ def test_causal_mean_is_a_running_mean():
     torch.testing.assert_close(fam.causal_mean(x, dim=1), expected)
 
 
+SCALES = [1, 2, 3, 4, 1, 4, 3, 2]  # 8 heads over 4 KV groups: groups mix scales
+
+
 @pytest.mark.parametrize("scale", [1, 2, 3, 4])
-def test_causal_pool_and_mask(scale):
+def test_causal_pool_averages_the_slots_tokens(scale):
     n = 11
     x = rand(2, n, 5, seed=21)
     slots = []
@@ -130,11 +133,34 @@ def test_causal_pool_and_mask(scale):
         start = max(0, end - scale + 1)
         slots.append(x[:, start : end + 1].mean(1))
     torch.testing.assert_close(fam.causal_pool(x, scale, dim=1), torch.stack(slots, 1))
-    mask = fam.pooled_causal_mask(n, scale)
-    for i in range(n):
-        for b, end in enumerate(range(0, n, scale)):
-            assert bool(mask[i, b]) == (end <= i)  # every averaged position is <= i
-    assert mask[:, 0].all()  # every query sees at least slot 0
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 12, 23])
+@pytest.mark.parametrize("mixing", ["sh", "bn_sh"])
+def test_pooled_heads_equal_the_masked_softmax(mixing, seq_len):
+    """Attention-SH (run as causal attention over query groups, for SDPA's flash kernel)
+    against eq. 25 written out: head m's scores against its pooled keys, masked where a
+    slot ends after the query (b*s_m > i), in fp64; values and gradients, sequence lengths
+    that are and are not multiples of the scales."""
+    beta = 0.7 if mixing == "bn_sh" else 0.0
+    q, k, v = (rand(2, h, seq_len, 8, dtype=torch.float64, seed=70 + i).requires_grad_()
+               for i, h in enumerate((8, 4, 4)))  # fmt: skip
+    out = fam.attention_heads(q, k, v, mixing, beta=beta, head_scales=SCALES)
+    heads = []
+    for m, scale in enumerate(SCALES):
+        keys, values = (fam.causal_pool(x[:, m // 2], scale, dim=1) for x in (k, v))
+        slot_ends = torch.arange(0, seq_len, scale)
+        visible = slot_ends <= torch.arange(seq_len).unsqueeze(1)  # [query, slot]
+        mean = (visible / visible.sum(-1, keepdim=True)).double() @ keys  # μ_i: visible slots
+        query = q[:, m] - beta * mean
+        scores = (query @ keys.transpose(1, 2)) / 8**0.5
+        heads.append(scores.masked_fill(~visible, float("-inf")).softmax(-1) @ values)
+    literal = torch.stack(heads, 1)
+    torch.testing.assert_close(out, literal)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(literal.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_recentred_queries_equal_eq26_scores():
@@ -185,7 +211,6 @@ def decode(q, k, v, mixing, chunks, valid=None, **options):
 
 
 MIXINGS = {"softmax": {}, "bn": {"beta": 0.7}, "sh": {}, "bn_sh": {"beta": 0.7}}
-SCALES = [1, 2, 3, 4, 1, 4, 3, 2]  # 8 heads over 4 KV groups: groups mix scales
 
 
 @pytest.mark.parametrize("mixing", list(MIXINGS))
