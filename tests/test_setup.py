@@ -51,13 +51,17 @@ def run(command: list[str], env: dict, timeout: float, offline: bool = False):
 
 
 def expose(names: list[str], into: Path) -> None:
-    """Link the installed distributions `names` and their dependencies into `into`."""
-    todo, seen = list(names), set()
+    """Link the installed distributions `names` and their dependencies into `into`, the
+    dependencies of the extras they are required with included (PyPI's CUDA torch needs
+    cuda-toolkit[cudart, ...], whose extras bring the CUDA libraries)."""
+    todo, seen = [(name, frozenset()) for name in names], set()
     while todo:
-        dist = metadata.distribution(todo.pop())
-        if dist.metadata["Name"].lower() in seen:
+        name, extras = todo.pop()
+        dist = metadata.distribution(name)
+        key = (dist.metadata["Name"].lower(), extras)
+        if key in seen:
             continue
-        seen.add(dist.metadata["Name"].lower())
+        seen.add(key)
         site = Path(dist.locate_file(""))
         tops = {Path(f).parts[0] for f in dist.files or ()} - {"..", "__pycache__"}
         for top in tops:
@@ -65,8 +69,8 @@ def expose(names: list[str], into: Path) -> None:
                 (into / top).symlink_to(site / top)
         for text in dist.requires or ():
             req = Requirement(text)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", *extras)):
+                todo.append((req.name, frozenset(req.extras)))
 
 
 def download_wheels(wheels: Path, env: dict, *options: str) -> list[str]:
