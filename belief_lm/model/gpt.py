@@ -97,6 +97,19 @@ class RowLinear(RowParallelLinear):
         return super()._forward_impl(*args, **{**kwargs, "tp_group": self.tp_group})
 
 
+class ColumnLinear(ColumnParallelLinear):
+    """megatron's ColumnParallelLinear with its input's gradient summed over the
+    tensor-parallel ranks by a plain all-reduce (copy_to_tensor_model_parallel_region, as
+    megatron does with allreduce_dgrad off) instead of the asynchronous one megatron starts
+    inside its GEMM's backward: torch.compile cannot trace that one's handle, nor the
+    warning megatron gives with it (graph breaks at TP > 1, model.compile=layer). Inductor
+    orders the collective itself. The same sum; nothing changes at TP=1."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.allreduce_dgrad = False
+
+
 def decoder_layer_spec(cfg: ModelConfig) -> ModuleSpec:
     """megatron's local GPT layer spec with our core attention (and W^s for belief_star)."""
     spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
@@ -106,6 +119,7 @@ def decoder_layer_spec(cfg: ModelConfig) -> ModuleSpec:
     )
     if cfg.compile == "layer":  # megatron's own otherwise: its private call is overridden
         attention.linear_proj = spec.submodules.mlp.submodules.linear_fc2 = RowLinear
+        attention.linear_qkv = spec.submodules.mlp.submodules.linear_fc1 = ColumnLinear
     if cfg.attention == "belief_star":
         fused = cfg.fused_output_projection
         attention.linear_proj = ModuleSpec(module=BeliefStarProjection, params={"fused": fused})

@@ -11,7 +11,6 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_reduce
 
 from belief_lm.attention import ShardSum
 
@@ -23,8 +22,8 @@ sample, converting a large checkpoint): longer than any collective's timeout."""
 
 
 def tensor_parallel_sum(group: dist.ProcessGroup | None) -> ShardSum | None:
-    """Sum over the tensor-parallel group with a sum in backward too (torch's autograd
-    all_reduce), or None when the group has one rank.
+    """Sum over the tensor-parallel group with a sum in backward too, or None when the
+    group has one rank.
 
     megatron's reduce_from_tensor_model_parallel_region has an identity backward, which is
     right after a row-parallel matmul but wrong for belief's inner products: every rank
@@ -33,7 +32,27 @@ def tensor_parallel_sum(group: dist.ProcessGroup | None) -> ShardSum | None:
     """
     if group is None or dist.get_world_size(group) == 1:
         return None
-    return partial(all_reduce, group=group)
+    return partial(SumOverRanks.apply, group=group)
+
+
+class SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward is the same all-reduce of the gradient. torch's own
+    (torch.distributed.nn.functional.all_reduce) is deprecated and refused under
+    torch.compile; an in-place c10d all-reduce in an autograd.Function, as megatron's
+    regions do it, is traced into the compiled graph (model.compile=layer)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
