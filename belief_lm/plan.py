@@ -345,8 +345,14 @@ def memory(
         head = tokens * head_activations(model, vocab_size, layout.tensor, bf16, chunk > 0)
     if last and layout.pipeline > 1:
         # DeepSpeed's pipeline engine keeps each stage's outputs in its pipe buffers, two
-        # on the last stage: the logits of this micro-batch and of the one before
-        head += 2 * tokens * vocab_size // layout.tensor * (2 if bf16 else 4)
+        # on the last stage: the logits of this micro-batch and of the one before; with
+        # the chunked loss the final norm's output and the output weight, of which only
+        # the hidden states of the micro-batch before are not held anyway
+        size = 2 if bf16 else 4
+        if chunk:
+            head += tokens * model.hidden_size * size
+        else:
+            head += 2 * tokens * vocab_size // layout.tensor * size
     largest = _largest_tensor(model, vocab_size, layout.tensor)
     state = _optimizer_state(params, layout, bf16, largest)
     held = (

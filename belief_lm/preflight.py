@@ -130,13 +130,6 @@ def check_engine_settings(cfg: Config) -> None:
             "train_batch, and the step's loss leaves the last stage only after it, so a "
             "spike cannot be kept from the weights; use action log or stop"
         )
-    if parallel.pipeline > 1 and cfg.train.loss_chunk_tokens:
-        raise ValueError(
-            f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} cannot be combined with "
-            f"parallel.pipeline={parallel.pipeline}: DeepSpeed's pipeline engine computes the "
-            "loss from the last stage's whole logits (its loss_fn), outside the output "
-            "layer; use train.loss_chunk_tokens=0"
-        )
     if model.compile != "none" and parallel.zero_stage == 3:
         raise ValueError(
             f"model.compile={model.compile} cannot be combined with parallel.zero_stage=3: "

@@ -84,8 +84,9 @@ def cases(model: str) -> list[dict]:
     if model == "tiny":  # two pipeline stages, 4 micro-batches in flight on the first
         found += [
             {"model": model, "tensor": 1, "pipeline": 2, "data": 1, "zero": z,
-             "recompute": "none", "precision": p, "accumulation": 4}
-            for z, p in ((0, "fp32"), (1, "fp32"), (0, "bf16"))
+             "recompute": "none", "precision": p, "accumulation": 4, **loss}
+            for z, p, loss in ((0, "fp32", {}), (1, "fp32", {}), (0, "bf16", {}),
+                               (0, "fp32", {"loss_chunk_tokens": 256}))
         ]  # fmt: skip
     return found
 

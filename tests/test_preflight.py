@@ -24,6 +24,13 @@ def test_a_good_layout_is_worked_out():
     assert preflight(config(), 1, "cpu").bf16 is False
 
 
+def test_the_chunked_loss_runs_in_a_pipeline():
+    """train.loss_chunk_tokens with pipeline parallelism (once refused): the loss_fn
+    computes it from the output stage's hidden states and weight."""
+    plan = preflight(config("parallel.pipeline=2", "train.loss_chunk_tokens=512"), 2)
+    assert (plan.dims.pipeline, plan.dims.data) == (2, 1)
+
+
 @pytest.mark.parametrize(
     ("world", "overrides", "message"),
     [
@@ -41,7 +48,6 @@ def test_a_good_layout_is_worked_out():
         (4, ["parallel.pipeline=2", "parallel.zero_stage=2"], "cannot be combined"),
         (8, ["parallel.pipeline=8"], "exceeds model.num_layers (4)"),
         (2, ["parallel.pipeline=2", "train.spike.action=skip"], "train.spike.action=skip cannot"),
-        (2, ["parallel.pipeline=2", "train.loss_chunk_tokens=512"], "loss_chunk_tokens=512 cannot"),
         (1, ["model.compile=layer", "parallel.zero_stage=3"], "compile=layer cannot be combined"),
     ],
 )

@@ -276,7 +276,8 @@ class OutputLayer(ColumnParallelLinear):
 
 def set_loss_chunking(model: torch.nn.Module, tokens: int) -> None:
     """train.loss_chunk_tokens on a model: 0 computes the loss from the whole micro-batch's
-    logits (lm_loss); N > 0 N tokens at a time inside the output layer (chunked_lm_loss)."""
+    logits (lm_loss); N > 0 N tokens at a time inside the output layer (chunked_lm_loss).
+    A pipeline is built for it instead (pipeline.build_pipeline)."""
     for module in model.modules():
         if isinstance(module, OutputLayer):
             module.loss_chunk_tokens = tokens

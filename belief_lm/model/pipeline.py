@@ -5,10 +5,20 @@ layer), so a pipelined model starts from the same weights as a single-process on
 tied embeddings the output stage reuses the embedding through DeepSpeed's TiedLayerSpec,
 which keeps the two copies identical (their gradients are summed across stages).
 
+With train.loss_chunk_tokens the output stage returns (hidden, weight) instead of logits,
+and the pipeline's loss_fn computes the loss from them a chunk at a time
+(chunked_lm_loss): DeepSpeed's engine hands the last stage's outputs, as they are, to
+loss_fn on that stage, the only place it sees the labels. The weight is the output layer's
+own or the embedding's; its gradient comes from the loss_fn's backward like any other use
+(a tied one is then summed across stages as usual). The weight is used outside its
+module's forward, which only ZeRO-3 would mind, and pipelines run ZeRO 0-1.
+
 Parameter names differ from BeliefLM's only by prefix; `canonical_name` maps them.
 """
 
 from __future__ import annotations
+
+import functools
 
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -20,11 +30,11 @@ from belief_lm.model.gpt import (
     OutputLayer,
     TokenEmbedding,
     final_norm_class,
-    lm_loss,
     stage_seed,
     transformer_config,
     vocab_parallel_logits,
 )
+from belief_lm.model.loss import chunked_lm_loss, lm_loss
 
 TIED_KEY = "embedding"
 
@@ -33,8 +43,29 @@ def _tied_output(embedding: TokenEmbedding, hidden: Tensor) -> Tensor:
     return vocab_parallel_logits(hidden, embedding.word_embeddings.weight)
 
 
-def layer_specs(model: ModelConfig, vocab_size: int, tensor_parallel: int, seed: int) -> list:
-    """[embedding, layer 1..L, final norm, output] as DeepSpeed layer specs."""
+def _tied_loss_inputs(embedding: TokenEmbedding, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    return hidden, embedding.word_embeddings.weight
+
+
+class OutputLossInputs(OutputLayer):
+    """The (untied) output stage under loss chunking: its input and its weight, for the
+    loss_fn's chunked output GEMM, instead of logits."""
+
+    def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return hidden, self.weight
+
+
+def _chunked_loss(outputs: tuple[Tensor, Tensor], labels: Tensor, chunk_tokens: int) -> Tensor:
+    """loss_fn under loss chunking: chunked_lm_loss of the output stage's (hidden, weight)."""
+    hidden, weight = outputs
+    return chunked_lm_loss(hidden, weight, labels, chunk_tokens)
+
+
+def layer_specs(
+    model: ModelConfig, vocab_size: int, tensor_parallel: int, seed: int, chunked: bool = False
+) -> list:
+    """[embedding, layer 1..L, final norm, output] as DeepSpeed layer specs; `chunked`: the
+    output stage returns (hidden, weight) for a chunked loss instead of logits."""
     config = transformer_config(model, tensor_parallel)
     embedding_args = (TokenEmbedding, config, model, vocab_size, stage_seed(seed, 0))
     layers = [
@@ -44,15 +75,13 @@ def layer_specs(model: ModelConfig, vocab_size: int, tensor_parallel: int, seed:
     norm = LayerSpec(final_norm_class(config), config.hidden_size, eps=config.layernorm_epsilon)
     if model.tie_embeddings:
         weight = "word_embeddings.weight"
+        output = _tied_loss_inputs if chunked else _tied_output
         first = TiedLayerSpec(TIED_KEY, *embedding_args, tied_weight_attr=weight)
-        last = TiedLayerSpec(
-            TIED_KEY, *embedding_args, forward_fn=_tied_output, tied_weight_attr=weight
-        )
+        last = TiedLayerSpec(TIED_KEY, *embedding_args, forward_fn=output, tied_weight_attr=weight)
     else:
+        output = OutputLossInputs if chunked else OutputLayer
         first = LayerSpec(*embedding_args)
-        last = LayerSpec(
-            OutputLayer, config, vocab_size, False, stage_seed(seed, model.num_layers + 1)
-        )
+        last = LayerSpec(output, config, vocab_size, False, stage_seed(seed, model.num_layers + 1))
     return [first, *layers, norm, last]
 
 
@@ -62,14 +91,20 @@ def build_pipeline(
     topology: PipeModelDataParallelTopology,
     tensor_parallel: int,
     seed: int,
+    loss_chunk_tokens: int = 0,
 ) -> PipelineModule:
     """This rank's stage of the pipelined model; decoder layers are balanced over stages.
-    The output stage's copy of a tied embedding is marked `pipeline_duplicate`: sums over
-    the whole model (parameter count, gradient norm) must not count it twice."""
+    `loss_chunk_tokens` is train.loss_chunk_tokens (a pipeline is built for it, not set
+    later with set_loss_chunking). The output stage's copy of a tied embedding is marked
+    `pipeline_duplicate`: sums over the whole model (parameter count, gradient norm) must
+    not count it twice."""
+    loss_fn = lm_loss
+    if loss_chunk_tokens:
+        loss_fn = functools.partial(_chunked_loss, chunk_tokens=loss_chunk_tokens)
     stage = PipelineModule(
-        layers=layer_specs(model, vocab_size, tensor_parallel, seed),
+        layers=layer_specs(model, vocab_size, tensor_parallel, seed, loss_chunk_tokens > 0),
         topology=topology,
-        loss_fn=lm_loss,
+        loss_fn=loss_fn,
         partition_method="type:DecoderLayer",
     )
     if stage.stage_id > 0:

@@ -124,10 +124,14 @@ def build_engine(
     topology = deepspeed_topology(layout)
     assert_same_layout(topology)
     pipelined = layout.pipeline > 1
+    chunk_tokens = cfg.train.loss_chunk_tokens
     if pipelined:
-        model = build_pipeline(cfg.model, vocab_size, topology, layout.tensor, cfg.run.seed)
+        model = build_pipeline(
+            cfg.model, vocab_size, topology, layout.tensor, cfg.run.seed, chunk_tokens
+        )
     else:
         model = BeliefLM(cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed)
+        set_loss_chunking(model, chunk_tokens)
     if weights is not None:  # before DeepSpeed takes the weights (ZeRO partitions, bf16)
         from belief_lm.checkpoint.consolidate import load_full_state
 
@@ -135,7 +139,6 @@ def build_engine(
         load_full_state(model, weights, rename)
     model.to(device)
     set_activation_recompute(model, cfg.train.activation_checkpointing)
-    set_loss_chunking(model, cfg.train.loss_chunk_tokens)
     parameters = count_model_parameters(model)  # before ZeRO-3 partitions them away
     for module in model.modules():
         module.register_state_dict_post_hook(_drop_empty_extra_state)

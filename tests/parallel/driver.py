@@ -40,7 +40,8 @@ from belief_lm.train.engine import build_engine  # noqa: E402
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
 
 
-def config(tp: int, pp: int, zero: int, variant: str):
+def config(tp: int, pp: int, zero: int, variant: str, *overrides: str):
+    """The tests' run at a layout; `overrides` (config key=value) after the fixed ones."""
     return load_config(
         "configs/model/tiny.yaml",
         [
@@ -49,7 +50,7 @@ def config(tp: int, pp: int, zero: int, variant: str):
             f"parallel.tensor={tp}", f"parallel.pipeline={pp}", f"parallel.zero_stage={zero}",
             f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL_BATCH}",
             "train.lr=3e-3", "train.warmup_steps=0", "train.grad_clip=1.0",
-            "run.seed=7", "train.precision=fp32",
+            "run.seed=7", "train.precision=fp32", *overrides,
         ],
     )  # fmt: skip
 
@@ -88,9 +89,11 @@ def probe_tokens() -> torch.Tensor:
 
 
 def run(
-    out_dir: str, tp: int, pp: int, zero: int, variant: str, save_at=None, resume=None, steps=STEPS
-) -> None:
-    cfg = config(tp, pp, zero, variant)
+    out_dir: str, tp: int, pp: int, zero: int, variant: str, save_at=None, resume=None,
+    steps=STEPS, overrides: tuple[str, ...] = (), name: str | None = None,
+) -> None:  # fmt: skip
+    """Train and record one run; its file is named after `name` (default: the variant)."""
+    cfg = config(tp, pp, zero, variant, *overrides)
     cfg.run.output_dir = out_dir
     cfg.checkpoint.resume = resume or "never"
     layout = init_model_parallel(tp, pp)
@@ -149,7 +152,7 @@ def run(
             "params": params,
             "logits": logits,
         },
-        os.path.join(out_dir, f"{variant}-zero{zero}-rank{dist.get_rank()}.pt"),
+        os.path.join(out_dir, f"{name or variant}-zero{zero}-rank{dist.get_rank()}.pt"),
     )
 
 

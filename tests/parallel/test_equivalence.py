@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from belief_lm.variants import VARIANTS
-from tests.parallel.conftest import assert_equivalent, load_run, run_driver
+from tests.parallel.conftest import assert_equivalent, load_run, run_driver, torchrun
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -23,6 +23,27 @@ def test_belief_star_tp2_pp2(reference, tmp_path):
 def test_belief_star_tp2_pp2_dp2(reference, tp2_pp2_dp2):
     run = load_run(tp2_pp2_dp2, "belief_star", 1)
     assert_equivalent(run, load_run(reference, "belief_star", 1))
+
+
+@pytest.fixture(scope="module")
+def pipeline_losses(tmp_path_factory) -> Path:
+    """belief_star at PP=2 with the plain and the chunked loss, tied and untied, in one job
+    (tests/parallel/pipeline_loss.py)."""
+    out = tmp_path_factory.mktemp("pipeline_loss")
+    result = torchrun(2, "tests/parallel/pipeline_loss.py", str(out), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return out
+
+
+@pytest.mark.parametrize("tie", ["tied", "untied"])
+def test_chunked_loss_pp2(pipeline_losses, tie):
+    """train.loss_chunk_tokens in a pipeline (the output stage hands the loss_fn its input
+    and weight): the plain loss's losses, gradients (a tied weight's summed over the two
+    stages) and weights."""
+    run = load_run(pipeline_losses, f"{tie}-chunked", 1)
+    plain = load_run(pipeline_losses, f"{tie}-plain", 1)
+    assert run["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert_equivalent(run, plain)
 
 
 @pytest.fixture(scope="module")
