@@ -1,7 +1,8 @@
 """torchrun --nproc_per_node=2 tests/parallel/pipeline_loss.py OUT
 
 train.loss_chunk_tokens at PP=2: driver.run's steps with the plain and the chunked loss,
-for a tied and an untied output layer, in one process group (start-up dominates on CPU).
+for a tied and an untied output layer, and model.compile=layer (each stage's decoder layers
+through torch.compile, untied), in one process group (start-up dominates on CPU).
 Writes OUT/<tied|untied>-<plain|chunked>-zero1-rank<r>.pt (tests/parallel/conftest.py:
 load_run)."""
 
@@ -24,6 +25,7 @@ CASES = {
     for tie in ("tied", "untied")
     for loss, chunk in (("plain", 0), ("chunked", CHUNK))
 }
+CASES["untied-compiled"] = ("model.tie_embeddings=False", "model.compile=layer")
 """Name: config overrides."""
 
 

@@ -46,6 +46,15 @@ def test_chunked_loss_pp2(pipeline_losses, tie):
     assert_equivalent(run, plain)
 
 
+def test_compiled_layers_pp2(pipeline_losses):
+    """model.compile=layer inside DeepSpeed's pipeline stages: the eager run's losses,
+    gradients and weights."""
+    run = load_run(pipeline_losses, "untied-compiled", 1)
+    plain = load_run(pipeline_losses, "untied-plain", 1)
+    assert run["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert_equivalent(run, plain)
+
+
 @pytest.fixture(scope="module")
 def zero_stages(tmp_path_factory) -> Path:
     """belief_star at TP=2 x DP=2 under ZeRO-1, -2 and -3, one after another in one job."""
