@@ -75,7 +75,7 @@ def rank_zero_first(work: Callable[[], T]) -> T:
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return work()
-    group = dist.new_group(backend="gloo", timeout=RANK_ZERO_FIRST_TIMEOUT)
+    group = _waiting_group()
     result, failure = None, None
     if dist.get_rank() == 0:
         try:
@@ -84,13 +84,28 @@ def rank_zero_first(work: Callable[[], T]) -> T:
             failure = err
     outcome = [None if failure is None else (isinstance(failure, ValueError), str(failure))]
     dist.broadcast_object_list(outcome, src=0, group=group)
-    dist.destroy_process_group(group)
     if failure is not None:
         raise failure
     if outcome[0] is not None:
         bad_input, message = outcome[0]
         raise (ValueError if bad_input else RuntimeError)(f"on rank 0: {message}")
     return result if dist.get_rank() == 0 else work()
+
+
+_waiting: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+"""The world and the gloo group rank_zero_first waits in."""
+
+
+def _waiting_group() -> dist.ProcessGroup:
+    """rank_zero_first's gloo group: made at its first call in a world (collective, as every
+    call is) and kept for the world's life. Destroying it after each wait deadlocked on
+    torch 2.6: the group's destructor joins its worker threads holding the GIL while a
+    worker, freeing the finished broadcast's tensors, waits for the GIL."""
+    global _waiting
+    world = dist.group.WORLD
+    if _waiting is None or _waiting[0] is not world:
+        _waiting = (world, dist.new_group(backend="gloo", timeout=RANK_ZERO_FIRST_TIMEOUT))
+    return _waiting[1]
 
 
 def on_rank_zero(work: Callable[[], T]) -> T | None:
