@@ -196,10 +196,26 @@ def _attend(
             mean = mean[:, :, torch.arange(seq_len, device=q.device) // scale]
         q = recentred_queries(q, heads_from_groups(mean, q.shape[1]), beta)
     if scale == 1:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=softmax_scale, enable_gqa=True
-        )
+        return _sdpa(q, k, v, is_causal=True, scale=softmax_scale)
     return _attend_pooled(q, k, v, scale, softmax_scale)
+
+
+_CPU_FLASH_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
+"""The CPU flash kernel takes enable_gqa (pytorch/pytorch#157893); before, math runs it."""
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **options) -> Tensor:
+    """torch SDPA for queries [b, heads, s, d] and keys/values [b, groups, s', d], their
+    groups shared by heads as GQA: natively (enable_gqa) where the flash kernel takes it,
+    otherwise with each group repeated per head. enable_gqa elsewhere sends the call to the
+    math kernel (a [s, s'] score matrix per head): flash takes GQA on CUDA in half
+    precision, on the CPU from torch 2.9, and never with a mask."""
+    if k.shape[1] != q.shape[1]:
+        native = q.dtype in (torch.float16, torch.bfloat16) if q.is_cuda else _CPU_FLASH_GQA
+        if attn_mask is None and native:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
+        k, v = heads_from_groups(k, q.shape[1]), heads_from_groups(v, q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)
 
 
 def _attend_pooled(q: Tensor, k: Tensor, v: Tensor, scale: int, softmax_scale) -> Tensor:
@@ -337,9 +353,7 @@ def cached_heads(
             weights = visible / visible.sum(-1, keepdim=True)  # μ: the mean of visible slots
             mean = (weights.unsqueeze(1).to(_wide(k).dtype) @ _wide(k)).to(q.dtype)
             q_s = recentred_queries(q_s, heads_from_groups(mean, q_s.shape[1]), beta)
-        out[:, idx] = F.scaled_dot_product_attention(
-            q_s, k, v, attn_mask=visible.unsqueeze(1), scale=softmax_scale, enable_gqa=True
-        )
+        out[:, idx] = _sdpa(q_s, k, v, attn_mask=visible.unsqueeze(1), scale=softmax_scale)
     return out
 
 

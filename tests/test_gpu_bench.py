@@ -46,8 +46,9 @@ def test_smoke_runs_every_check_and_run(tmp_path):
     for model in gpu.MODELS:
         kernels = checks["sdpa_kernels"][model]
         assert set(kernels) == set(gpu.VARIANTS) and all(kernels.values())
-        # every variant in the flash kernel: Attention-SH's pooled keys too (as causal
-        # attention over query groups), no math fallback
+        # every variant in softmax's kernel, Attention-SH's pooled keys too (as causal
+        # attention over query groups): flash, no math fallback (a mask, or torch < 2.9's
+        # CPU kernel asked for GQA, would fall back)
         assert all(kernel == ["flash (CPU)"] for kernel in kernels.values()), kernels
         products = checks["belief_inner_products"][model]
         assert products["activations"] == "bfloat16" and products["plain"]["dtype"] == "float32"

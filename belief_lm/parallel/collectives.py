@@ -32,7 +32,7 @@ def tensor_parallel_sum(group: dist.ProcessGroup | None) -> ShardSum | None:
     """
     if group is None or dist.get_world_size(group) == 1:
         return None
-    return partial(SumOverRanks.apply, group=group)
+    return partial(SumOverRanks.apply, group)
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -42,17 +42,17 @@ class SumOverRanks(torch.autograd.Function):
     regions do it, is traced into the compiled graph (model.compile=layer)."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.Tensor:
         ctx.group = group
         total = tensor.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         total = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(total, group=ctx.group)
-        return total, None
+        return None, total
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -13,6 +13,8 @@ from tests.models import assert_same
 from tests.parallel import driver, fast_paths
 from tests.parallel.conftest import torchrun
 
+NEW_TORCH = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
+
 
 def test_global_projection_backward_sums_over_ranks(tmp_path):
     out = tmp_path / "grads.pt"
@@ -87,4 +89,6 @@ def test_fast_paths_at_tp2(tmp_path):
         torch.testing.assert_close(paths["plain"][0], tp1_loss, rtol=1e-6, atol=0)
         for name in fast_paths.PATHS:
             assert_same(paths[name], paths["plain"])
-        assert saved["graphs_and_breaks"] == (1, 0)
+        graphs, breaks = saved["graphs_and_breaks"]
+        # torch 2.6 compiles the layer a second time (a guard fails once): 2 graphs
+        assert breaks == 0 and graphs == (1 if NEW_TORCH else 2)
