@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from belief_lm.report import read_jsonl
 from tests.jobs import MICRO, ROOT, job_env
 
 
@@ -117,8 +118,7 @@ def install_offline_and_train(wheels: Path, python: str, system: str, tmp: Path,
         ],
         offline, timeout=600, offline=True,
     )  # fmt: skip
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     return offline, venv
 
 
