@@ -27,8 +27,8 @@ def test_belief_star_tp2_pp2_dp2(reference, tp2_pp2_dp2):
 
 @pytest.fixture(scope="module")
 def pipeline_losses(tmp_path_factory) -> Path:
-    """belief_star at PP=2 with the plain and the chunked loss, tied and untied, in one job
-    (tests/parallel/pipeline_loss.py)."""
+    """belief_star at PP=2 with the plain and the chunked loss, tied and untied, and with
+    compiled layers (untied), in one job (tests/parallel/pipeline_loss.py)."""
     out = tmp_path_factory.mktemp("pipeline_loss")
     result = torchrun(2, "tests/parallel/pipeline_loss.py", str(out), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
