@@ -5,8 +5,10 @@ interface: the trainer imports these functions and nothing deeper."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,13 +16,16 @@ import torch
 from tqdm import tqdm
 
 from data_pipeline.config import DataConfig
-from data_pipeline.loader import SINGLE, Collective, Plan, TrainData
+from data_pipeline.loader import SINGLE, Collective, ReaderSlots, TrainData
 from data_pipeline.prepared import PreparedSource
-from data_pipeline.sources import DataFault, SourceError, open_source
+from data_pipeline.schedule import UNITS_PER_READER
+from data_pipeline.sources import DataFault, Source, SourceError, open_source
 from data_pipeline.stream import (
+    STUCK_ROWS,
     DocumentReader,
+    Position,
     StreamSettings,
-    epoch_shares,
+    epoch_order,
     skip_problem,
     slot_source,
     stream_for,
@@ -30,15 +35,46 @@ from data_pipeline.tokenizer import Tokenizer, cached_tokenizer
 
 def check_data(data: DataConfig) -> None:
     """Fail before any work if a source cannot be used: it must resolve, its files must be
-    readable and hold the needed columns (only metadata and first rows are read).
+    readable and hold the needed columns, and it must hold a usable document of the split
+    a run reads (training, or validation for an evaluation-only source): metadata and the
+    first rows are read, up to stream.STUCK_ROWS rows while none is usable.
 
     Raises ValueError naming the key (data.sources.N.uri / text_column / ...), file and column.
     """
     for i, cfg in enumerate(data.sources):
         try:
-            open_source(cfg).check()
+            source = open_source(cfg)
+            source.check()
         except SourceError as err:
             raise ValueError(f"data.sources.{i}.{err}") from None
+        if isinstance(source, Source):
+            problem = _no_document(source, data)
+            if problem:
+                raise ValueError(f"data.sources.{i}.uri: {problem}")
+
+
+def _no_document(source: Source, data: DataConfig) -> str | None:
+    """Why `source` has no usable document of the run's split, or None: its rows in file
+    order until the first one (skips are counted here, not logged)."""
+    split = "train" if data.validation_fraction < 1 else "validation"
+    settings = _settings(data, 2, split, readers=1)
+    reader = DocumentReader(source, settings)
+    logger = logging.getLogger("data_pipeline.stream")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # one line for the whole source, below
+    try:
+        for _ in itertools.islice(reader.documents(source.units()), 1):
+            return None
+    except DataFault as err:
+        return str(err).removeprefix(f"{source.cfg.uri}: ")
+    finally:
+        logger.setLevel(level)
+    read = reader.counts["rows"]
+    scope = "any of its" if read < STUCK_ROWS else "the first"
+    return (
+        f"{source.cfg.uri}: no usable {split} document in {scope} {read} rows "
+        f"({_describe(reader.counts)})"
+    )
 
 
 def build_tokenizer(data: DataConfig, cache_dir: str) -> Tokenizer:
@@ -76,12 +112,11 @@ def tokenizer_sample(data: DataConfig, progress: bool = True) -> Iterator[str]:
                 raise ValueError(f"{cfg.uri}: prepared data has no text to train a tokenizer on")
             settings = _settings(data, 1, "train", readers=1)
             units = source.units()
-            reader = DocumentReader(
-                source, [units[u] for u in epoch_shares(units, 1, data.seed, 0)[0]], settings
-            )
+            reader = DocumentReader(source, settings)
+            ordered = [units[u] for u in epoch_order(len(units), data.seed, 0)]
             wanted, taken = round(total * weight / sum(weights)), 0
             try:
-                for doc, *_ in itertools.islice(reader.documents(), wanted):
+                for doc, *_ in itertools.islice(reader.documents(ordered), wanted):
                     taken += 1
                     bar.update()
                     yield doc.text
@@ -118,7 +153,8 @@ def build_train_data(
     if data.num_workers == 0:  # tokenizing in this process: sentencepiece's thread pool
         settings = dataclasses.replace(settings, threads=-1)
     sources = _open(data, tokenizer, settings)
-    plan = Plan(readers, global_batch_size, dp_rank, dp_size)
+    units = [_units(source, readers * UNITS_PER_READER, "train") for source in sources]
+    slots = ReaderSlots(readers, global_batch_size, dp_rank, dp_size)
     layout = {  # what the positions in a saved state are positions of
         "readers": readers,
         "global_batch_size": global_batch_size,
@@ -128,10 +164,12 @@ def build_train_data(
         "sources": [s.uri for s in data.sources],
         "weights": [s.weight for s in data.sources],
         "data": [source.fingerprint() for source in sources],  # files added or changed
+        "units": [len(u) for u in units],
     }
     return TrainData(
-        sources, [s.weight for s in data.sources], tokenizer, settings, plan, micro_batch_size,
-        data.num_workers, device, layout, max_skipped_fraction=data.max_skipped_fraction,
+        sources, units, [s.weight for s in data.sources], tokenizer, settings, slots,
+        micro_batch_size, data.num_workers, device, layout,
+        max_skipped_fraction=data.max_skipped_fraction,
         skip_check_min_rows=data.skip_check_min_rows, collective=collective,
     )  # fmt: skip
 
@@ -152,18 +190,22 @@ def build_validation_data(
     settings = _settings(data, seq_len + 1, "validation", readers=1)
     sources = _open(data, tokenizer, settings)
     weights = [s.weight for s in data.sources]
-    streams = [stream_for(source, tokenizer, 0, settings).windows(epochs=1) for source in sources]
+    streams = []
+    for source in sources:  # each source's held-out documents, in file order, once
+        units = _units(source, 1, "validation")
+        unit_at = functools.partial(_index_below, len(units))
+        streams.append(stream_for(source, units, tokenizer, settings, Position(), unit_at))
     windows, active, slot = [], set(range(len(sources))), 0
     while active and len(windows) < max_batches * micro_batch_size:
         s = slot_source(slot, weights)
         slot += 1
         if s not in active:
             continue
-        window = next(streams[s], None)
-        if window is None or window.last:
+        window = streams[s].next_window()
+        if window is None or len(window) < settings.window:
             active.discard(s)
-        if window is not None and len(window.tokens) == settings.window:
-            windows.append(torch.from_numpy(window.tokens.astype("int64")))
+        if window is not None and len(window) == settings.window:
+            windows.append(torch.from_numpy(window.astype("int64")))
     batches = []
     for start in range(0, len(windows) - micro_batch_size + 1, micro_batch_size):
         stacked = torch.stack(windows[start : start + micro_batch_size]).to(device)
@@ -183,14 +225,29 @@ def _settings(data: DataConfig, window: int, split: str, readers: int) -> Stream
 
 
 def _open(data: DataConfig, tokenizer: Tokenizer, settings: StreamSettings) -> list:
-    """The sources, with files and units (or megatron's indices) resolved before workers."""
+    """The sources, prepared ones with megatron's indices built (before any worker)."""
     sources = [open_source(cfg) for cfg in data.sources]
     for source in sources:
         if isinstance(source, PreparedSource):
             source.check_tokenizer(tokenizer)
-        source.open(settings)
+            source.open(settings)
     return sources
 
 
+def _units(source, pieces: int, split: str) -> list:
+    """A source's units (a prepared source's: of the split's samples)."""
+    if isinstance(source, PreparedSource):
+        return source.units(pieces, split)
+    return source.units(pieces)
+
+
+def _index_below(length: int, k: int) -> int | None:
+    """Unit k of a list of `length` units in order (a stream that reads them all, once)."""
+    return k if k < length else None
+
+
 def _describe(counts) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v) or "nothing read"
+    """What became of rows that are no document: 'not_utf8 1, empty 3'."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v and k != "rows") or (
+        "nothing read"
+    )

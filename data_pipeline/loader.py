@@ -1,32 +1,37 @@
-"""A data-parallel rank's training steps: its logical readers in DataLoader workers, whole
-steps assembled in the training process, exact positions, global epochs, data faults.
+"""A data-parallel rank's training steps: its logical readers' streams in DataLoader
+workers, whole steps assembled in the training process, the schedule kept in agreement.
 
-Each worker runs a contiguous block of the rank's readers and yields, per training step,
-one item: the windows its readers produce for that step's slots (`stream.slot_source`
-picks each slot's source). The training process keeps them per (reader, source) and
-assembles a step when it is asked for one, so a step either exists whole or not at all:
-a failing source (a DataFault in a worker, or too many unusable rows over all ranks) is
-found before the step trains, and every rank learns of it at the same step.
+Each worker serves a contiguous block of the rank's readers and yields, per training step,
+one item: the windows of its readers' slots (`stream.slot_source` picks each slot's
+source). A reader's slots of a source come from the stream it serves (its own, or in an
+epoch's tail one it joined: `schedule.py`); the readers serving one stream take its
+windows in reader order, so every worker holding one of them reads the stream's whole
+step and keeps its own readers' windows. The reader first in that order reports where the
+stream stands after the step and what it counted.
 
-Per step, one all-reduce over the data-parallel ranks (`Collective`) sums, per source,
-the readers that finished the current epoch and the rows read, skipped and used; when
-every reader of a source has finished, the next epoch begins for all of them. A reader
-that finished early fills its slots with padding (inputs masked from the loss) meanwhile.
+The training process assembles a step when it is asked for one, so a step exists whole or
+not at all: a failing source (a DataFault in a worker, or too many unusable rows over all
+ranks) is found before the step trains, and every rank learns of it at the same step. Per
+step, one all-reduce over the ranks (`Collective`) sums the reports (positions, counts,
+failures); every rank applies the sum to its replica of the schedule and sends it to its
+workers, which apply it too: so every process takes the same decisions.
 
-The state (`state_dict`) is the position of every reader of this rank after the last
-complete step, the epochs and the step; the trainer gathers all ranks' into one, and any
-layout whose data-parallel size divides the number of readers continues from it.
+The state (`state_dict`) is the schedule (every stream's units and position), the counts
+and the step: the same on every rank, and valid at any layout whose data-parallel size
+divides the number of readers.
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
 import logging
 import multiprocessing
 import os
+import queue
 import signal
-from collections import deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,16 +39,33 @@ import fsspec.asyn
 import numpy as np
 import torch
 
+from data_pipeline.schedule import FIELDS, Schedule
 from data_pipeline.sources import DataFault
-from data_pipeline.stream import SKIPPED, StreamSettings, skip_problem, slot_source, stream_for
+from data_pipeline.stream import (
+    SKIPPED,
+    UNIT_TALLIES,
+    Position,
+    StreamSettings,
+    skip_problem,
+    slot_source,
+    stream_for,
+)
 
 log = logging.getLogger(__name__)
 
 IGNORE = -100
 """Label of a position that is not trained on (padding)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-COUNTED = ("rows", "documents", "filtered", "held_out", *SKIPPED, "tokens", "samples")
-"""The per-source counts summed over the ranks each step (data health)."""
+COUNTED = ("rows", "documents", "filtered", "held_out", *SKIPPED, "tokens", "samples", "labels",
+           *UNIT_TALLIES)  # fmt: skip
+"""The per-source counts summed over the ranks each step (data health, the skip check, the
+padding: `labels` are the label slots that hold a token)."""
+HEALTH = COUNTED[: COUNTED.index("labels")]
+"""The counts shown as data health (the rest serve the skip check and the padding)."""
+PADDING_WARNING = 0.02
+"""An epoch whose padding passes this share of its label slots is reported (a warning)."""
+STATE_FORMAT = 2
+"""Version of `state_dict`'s layout (1: per-reader shares, before the schedule)."""
 
 
 _SHUTDOWNS: list = []
@@ -90,8 +112,8 @@ SINGLE = Collective(sum=lambda t: t, gather=lambda x: [x])
 
 
 @dataclass(frozen=True)
-class Plan:
-    """Which readers and slots are this rank's."""
+class ReaderSlots:
+    """Which readers are this rank's, and which global window slots are each reader's."""
 
     readers: int
     """Logical readers of the run (R)."""
@@ -115,64 +137,197 @@ class Plan:
         return range(first, first + self.per_reader)
 
 
-class ReaderWorkers(torch.utils.data.IterableDataset):
-    """The streams of this rank's readers; in each DataLoader worker a contiguous block
-    of them, producing one item per step: [(reader, source, Window), ...] in slot order,
-    or ('fault', message) once a source fails."""
+@dataclass
+class Fault:
+    """What a worker yields once a source failed."""
 
-    def __init__(
-        self,
-        sources: Sequence,
-        weights: Sequence[float],
-        tokenizer,
-        settings: StreamSettings,
-        plan: Plan,
-        states: dict,
-        step: int,
-    ):
-        self.sources, self.weights, self.tokenizer = list(sources), list(weights), tokenizer
-        self.settings, self.plan, self.states, self.step = settings, plan, states, step
+    message: str
+
+
+@dataclass
+class Block:
+    """What one worker produced for one step."""
+
+    step: int
+    windows: dict[int, list]
+    """Per reader of the worker, its slots' windows in order (None: padding)."""
+    origins: dict[int, list]
+    """Per reader, each slot's (source, epoch, stream, offset in the stream's step)."""
+    reports: list[dict[int, Position]]
+    """Per source, the positions of the streams this worker reports."""
+    counts: list[Counter]
+    """Per source, the counts of the streams this worker reports (rows before their
+    positions, units finished) and the labels of its readers' windows."""
+    first_bad: list[str | None]
+    """Per source, where the streams read by this worker met their first unusable row."""
+
+
+class StepMaker:
+    """Produces one worker's blocks, step after step, from a replica of the schedule that
+    the training process's reports keep up to date (`inbox`: each step's summed report)."""
+
+    def __init__(self, sources, units, weights, tokenizer, settings, slots, readers, schedule,
+                 inbox, shutdown=None):  # fmt: skip
+        self.sources, self.units, self.weights = sources, units, list(weights)
+        self.tokenizer, self.settings, self.slots = tokenizer, settings, slots
+        self.readers, self.schedule, self.inbox = list(readers), schedule, inbox
+        self.shutdown, self.parent = shutdown, os.getppid()
+        self.streams: dict[tuple[int, int], tuple[int, object]] = {}  # (s, h): (epoch, stream)
+        self.first_bad: list[str | None] = [None] * len(sources)
+        self.producing = schedule.step
+
+    def make(self, step: int) -> Block:
+        """The block of `step` (the steps are made in order)."""
+        self.producing = step
+        while self.schedule.step < self.schedule.view_needed(step):
+            self._apply_next()
+        block = Block(step, {r: [] for r in self.readers}, {r: [] for r in self.readers},
+                      [{} for _ in self.sources], [Counter() for _ in self.sources],
+                      [None] * len(self.sources))  # fmt: skip
+        slots = {r: self._slot_sources(step, r) for r in self.readers}
+        used = set()
+        for s, deal in enumerate(self.schedule.deals):
+            groups = deal.groups(self.readers)
+            if self.schedule.step < step and any(self._new(s, h) for h in groups):
+                while self.schedule.step < step:  # a new stream starts where this step's
+                    self._apply_next()  # schedule has it
+                groups = deal.groups(self.readers)
+            for h, members in groups.items():
+                self._run(block, s, h, members, step, slots)
+                used.add((s, h))
+        self.streams = {key: value for key, value in self.streams.items() if key in used}
+        return block
+
+    def _new(self, s: int, h: int) -> bool:
+        """Whether stream h of source s must be made (not read here last step)."""
+        return self.streams.get((s, h), (None,))[0] != self.schedule.deals[s].epoch
+
+    def _run(self, block: Block, s: int, h: int, members, step: int, slots: dict) -> None:
+        """Stream h's windows of this step: all of them are read, each member's kept."""
+        deal = self.schedule.deals[s]
+        if self._new(s, h):
+            position = Position(*deal.positions[h].tolist())
+            unit_at = functools.partial(self._unit_at, s, h)
+            stream = stream_for(self.sources[s], self.units[s], self.tokenizer, self.settings,
+                                position, unit_at)  # fmt: skip
+            self.streams[(s, h)] = (deal.epoch, stream)
+        epoch, stream = self.streams[(s, h)]
+        counts_before = stream.counts()
+        offset = 0
+        for member in (int(m) for m in members):
+            sources = slots[member] if member in slots else self._slot_sources(step, member)
+            for i in (i for i, source in enumerate(sources) if source == s):
+                window = stream.next_window()
+                if member in block.windows:
+                    block.windows[member].append((i, window))
+                    block.origins[member].append((i, (s, epoch, h, step, offset)))
+                    if window is not None:
+                        block.counts[s]["labels"] += max(len(window) - 1, 0)
+                offset += 1
+        if int(members[0]) in block.windows:  # this worker reports the stream
+            position = stream.position()
+            per_step = self.slots.per_reader * self.settings.window
+            if tokens := deal.look_ahead(per_step, len(members)):
+                position = position._replace(ahead=stream.look_ahead(tokens))
+            block.reports[s][h] = position
+            counts = stream.counts()
+            counts.subtract(counts_before)
+            counts.update(stream.finished_units(position.unit))
+            block.counts[s].update(counts)
+        if stream.first_bad and not self.first_bad[s]:
+            self.first_bad[s] = block.first_bad[s] = stream.first_bad
+
+    def _slot_sources(self, step: int, reader: int) -> list[int]:
+        return [slot_source(slot, self.weights) for slot in self.slots.slots(step, reader)]
+
+    def _unit_at(self, s: int, h: int, k: int) -> int | None:
+        """Unit k of stream h's list, as the schedule of the step being made has it."""
+        deal = self.schedule.deals[s]
+        while k >= len(deal.lists[h]) and self.schedule.step < self.producing:
+            self._apply_next()
+        return deal.lists[h][k] if k < len(deal.lists[h]) else None
+
+    def _apply_next(self) -> None:
+        """Wait for the next step's summed report and apply it. A worker whose trainer
+        is shutting down, or gone, ends here (it may wait here for a long time)."""
+        while True:
+            try:
+                total = self.inbox.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if (self.shutdown is not None and self.shutdown.is_set()) or (
+                    os.getppid() != self.parent
+                ):
+                    os._exit(0)
+        apply_report(self.schedule, total)
+
+
+class ReaderWorkers(torch.utils.data.IterableDataset):
+    """This rank's readers; in each DataLoader worker a contiguous block of them, producing
+    one Block per step, or a Fault once a source fails."""
+
+    def __init__(self, sources, units, weights, tokenizer, settings, slots, schedule, inboxes,
+                 shutdown=None):  # fmt: skip
+        self.sources, self.units, self.weights = sources, units, weights
+        self.tokenizer, self.settings, self.slots = tokenizer, settings, slots
+        self.schedule, self.inboxes, self.shutdown = schedule, inboxes, shutdown
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        readers = list(self.plan.mine)
+        readers = list(self.slots.mine)
         block = readers[worker * len(readers) // workers : (worker + 1) * len(readers) // workers]
-        streams = {
-            (r, s): stream_for(
-                source, self.tokenizer, r, self.settings, self.states.get(r, {}).get(s)
-            ).windows()
-            for r in block
-            for s, source in enumerate(self.sources)
-        }
-        step = self.step
+        maker = StepMaker(
+            self.sources, self.units, self.weights, self.tokenizer, self.settings, self.slots,
+            block, self.schedule, self.inboxes[worker], self.shutdown,
+        )  # fmt: skip
+        step = self.schedule.step
         try:
             while True:
-                item = []
-                for r in block:
-                    for slot in self.plan.slots(step, r):
-                        s = slot_source(slot, self.weights)
-                        item.append((r, s, next(streams[(r, s)])))
-                yield item
+                yield maker.make(step)
                 step += 1
         except Exception as err:  # any failure of reading is the data's: told, not raised
             message = str(err) if isinstance(err, DataFault) else f"{type(err).__name__}: {err}"
-            yield ("fault", message)
+            yield Fault(message)
+
+
+def report_length(schedule: Schedule) -> int:
+    """Integers in a step's summed report: per source the streams' positions and the
+    counts; then whether a rank failed."""
+    return len(schedule.deals) * (schedule.report_size() + len(COUNTED)) + 1
+
+
+def apply_report(schedule: Schedule, total: np.ndarray) -> list[bool]:
+    """Commit a step's summed report to a schedule; per source, whether an epoch began."""
+    positions, counts = split_report(schedule, total)
+    return schedule.commit(positions, [c["unit_tokens"] for c in counts])
+
+
+def split_report(schedule: Schedule, total: np.ndarray) -> tuple[list[np.ndarray], list[dict]]:
+    """(per source: the positions block, the counts) of a summed report."""
+    per_source = schedule.report_size() + len(COUNTED)
+    positions, counts = [], []
+    for s in range(len(schedule.deals)):
+        part = total[s * per_source : (s + 1) * per_source]
+        positions.append(part[: schedule.report_size()])
+        counts.append(dict(zip(COUNTED, part[schedule.report_size() :].tolist(), strict=True)))
+    return positions, counts
 
 
 class TrainData:
     """This data-parallel rank's training steps: `next_step()` returns the step's
     micro-batches (tokens, labels; labels IGNORE where padded), int64 [micro, seq_len].
 
-    All ranks must call next_step() together (it agrees on epochs and faults)."""
+    All ranks must call next_step() together (it agrees on the schedule and on faults)."""
 
     def __init__(
         self,
         sources: Sequence,
+        units: Sequence[Sequence],
         weights: Sequence[float],
         tokenizer,
         settings: StreamSettings,
-        plan: Plan,
+        slots: ReaderSlots,
         micro_batch_size: int,
         num_workers: int,
         device: torch.device,
@@ -182,25 +337,43 @@ class TrainData:
         skip_check_min_rows: int = 1000,
         collective: Collective = SINGLE,
     ):
-        if plan.readers % plan.dp_size or plan.global_batch % plan.readers:
+        if slots.readers % slots.dp_size or slots.global_batch % slots.readers:
             raise ValueError(
-                f"{plan.readers} readers cannot serve {plan.dp_size} data-parallel ranks "
-                f"and a global batch of {plan.global_batch}"
+                f"{slots.readers} readers cannot serve {slots.dp_size} data-parallel ranks "
+                f"and a global batch of {slots.global_batch}"
             )
-        self.sources, self.weights, self.tokenizer = list(sources), list(weights), tokenizer
-        self.settings, self.plan, self.micro = settings, plan, micro_batch_size
-        self.device, self.layout, self.collective = device, dict(layout), collective
+        for source, source_units in zip(sources, units, strict=True):
+            if not source_units:
+                raise ValueError(f"{source.cfg.uri}: no {settings.split} data to read")
+        self.sources, self.units, self.weights = list(sources), list(units), list(weights)
+        self.tokenizer, self.settings, self.slots = tokenizer, settings, slots
+        self.micro, self.device, self.collective = micro_batch_size, device, collective
+        self.layout = dict(layout)
         self.max_skipped_fraction, self.skip_check_min_rows = (
             max_skipped_fraction,
             skip_check_min_rows,
         )
         # workers beyond one per reader would have nothing to read
-        self.num_workers = min(num_workers, len(plan.mine))
-        self.step, self.epochs = 0, [0] * len(self.sources)
-        self.states: dict[int, dict[int, dict]] = {r: {} for r in plan.mine}
-        self.finished: dict[int, set[int]] = {r: set() for r in plan.mine}
+        self.num_workers = min(num_workers, len(slots.mine))
+        self.schedule = Schedule(
+            [[unit.size for unit in source_units] for source_units in units],
+            [source.tokens_per_size(settings.window) for source in sources],
+            weights, slots.readers, slots.per_reader, settings.window, settings.seed,
+        )  # fmt: skip
+        self.totals = [Counter() for _ in sources]
+        self.epoch_padding = [[0, 0] for _ in sources]  # label slots: [filled, all] this epoch
+        self.first_bad: list[tuple[int, str] | None] = [None] * len(sources)
         self.health: dict[str, float] = {}
-        self._loader, self._shutdown = None, None
+        self._padding = [0, 0]  # label slots since stats(): [filled, all]
+        self.origins: dict[int, list] = {}
+        """Per reader of this rank, where each window of the last step came from:
+        (source, epoch, stream, step, offset in the stream's step)."""
+        self._loader, self._shutdown, self._inboxes = None, None, []
+        self._pending: list[Block] = []
+
+    @property
+    def step(self) -> int:
+        return self.schedule.step
 
     # the step -------------------------------------------------------------------------
 
@@ -208,72 +381,113 @@ class TrainData:
         """The next step's micro-batches. Raises DataFault on every rank if a source
         failed on any rank or too many of a source's rows were unusable; the state is then
         still that after the last complete step (nothing of this step is committed)."""
-        staged, fault = None, None
+        step, blocks, fault = self.step, [], None
         try:
-            staged = self._stage()
+            blocks = self._blocks(step)
         except DataFault as err:
             fault = str(err)
-        states = dict(self.states)
-        finished = {r: set(f) for r, f in self.finished.items()}
-        if staged is not None:
-            for (r, s), state in staged[1].items():
-                states[r] = {**states[r], s: state}
-            for r, s in staged[2]:
-                finished[r].add(s)
-        done, counts, any_fault = self._agree(states, finished, fault is not None)
-        if any_fault:
+        report = self._report(blocks, fault is not None)
+        total = (self.collective.sum(torch.from_numpy(report)) // self.collective.replicas).numpy()
+        if total[-1]:
             self.close()  # its workers' positions are past the saved state
             messages = [m for m in self.collective.gather(fault) if m]
             raise DataFault(fault or messages[0])
-        # a source whose every reader finished the epoch begins the next one, for all
-        ended = [done[s] == self.plan.readers for s in range(len(self.sources))]
-        epochs = [e + end for e, end in zip(self.epochs, ended, strict=True)]
-        self._judge(counts, epochs)  # too many unusable rows: a DataFault on every rank
-        self.states, self.finished, self.epochs = states, finished, epochs
-        for s, source in enumerate(self.sources):
-            if ended[s]:
-                for readers_done in self.finished.values():
-                    readers_done.discard(s)
-                log.info("%s: epoch %d begins", source.cfg.uri, self.epochs[s])
-        self._record_health(counts)
-        self.step += 1
-        return self._micro_batches(staged[0])
+        _, counts = split_report(self.schedule, total)
+        totals = [self.totals[s] + Counter(c) for s, c in enumerate(counts)]
+        for blk in blocks:
+            for s, where in enumerate(blk.first_bad):
+                if where and not self.first_bad[s]:
+                    self.first_bad[s] = (step, where)
+        self._judge(totals)  # too many unusable rows: a DataFault on every rank
+        turned = apply_report(self.schedule, total)
+        for inbox in self._inboxes:
+            inbox.put(total)
+        self.totals = totals
+        self._count_padding(step, counts, turned)
+        return self._micro_batches(self._windows(blocks))
 
-    def _agree(self, states: dict, finished: dict, failed: bool):
-        """The one collective of a step: per source, the readers that finished the epoch and
-        the counts of all readers (each counted once), and whether any rank failed."""
-        n = len(self.sources)
-        local = np.zeros((n, 1 + len(COUNTED)), dtype=np.int64)
-        for r, by_source in states.items():
-            for s in range(n):
-                local[s, 0] += s in finished[r]
-                source_counts = by_source.get(s, {}).get("counts", {})
-                local[s, 1:] += [source_counts.get(name, 0) for name in COUNTED]
-        flat = np.concatenate([local.ravel(), [int(failed)]])
-        total = self.collective.sum(torch.from_numpy(flat)).numpy()
-        any_fault = bool(total[-1])
-        total = (total[:-1] // self.collective.replicas).reshape(n, -1)
-        counts = [dict(zip(COUNTED, row[1:].tolist(), strict=True)) for row in total]
-        return total[:, 0], counts, any_fault
+    def _blocks(self, step: int) -> list[Block]:
+        """Every worker's block of `step` (the loader yields them in worker order)."""
+        self.start()
+        blocks = []
+        while len(blocks) < max(self.num_workers, 1):
+            item = next(self._loader)
+            if isinstance(item, Fault):
+                raise DataFault(item.message)
+            if item.step != step:
+                raise RuntimeError(f"loader produced step {item.step} for step {step}")
+            blocks.append(item)
+        return blocks
 
-    def _judge(self, counts: list[dict], epochs: list[int]) -> None:
+    def _report(self, blocks: list[Block], failed: bool) -> np.ndarray:
+        """This rank's part of the step's report (see report_length)."""
+        schedule = self.schedule
+        report = np.zeros(report_length(schedule), dtype=np.int64)
+        per_source = schedule.report_size() + len(COUNTED)
+        for blk in blocks:
+            for s in range(len(self.sources)):
+                base = s * per_source
+                for h, position in blk.reports[s].items():
+                    row = base + h * (1 + FIELDS)
+                    report[row] = 1
+                    report[row + 1 : row + 1 + FIELDS] = position
+                counts = base + schedule.report_size()
+                report[counts : counts + len(COUNTED)] += [blk.counts[s][c] for c in COUNTED]
+        report[-1] = int(failed)
+        return report
+
+    def _judge(self, totals: list[Counter]) -> None:
         for s, source in enumerate(self.sources):
-            # judged on a fair sample: enough rows, or every row once (a complete epoch)
+            # judged on a fair sample: enough rows over enough units, or every row once
+            whole = totals[s]["units"] >= len(self.units[s])
             problem = skip_problem(
-                source.cfg.uri, counts[s], self.max_skipped_fraction,
-                self.skip_check_min_rows, whole=epochs[s] > 0,
+                source.cfg.uri, totals[s], self.max_skipped_fraction,
+                self.skip_check_min_rows, whole=whole,
             )  # fmt: skip
             if problem:
                 self.close()
-                raise DataFault(problem)
+                seen = [w for w in self.collective.gather(self.first_bad[s]) if w]
+                where = f"; the first at {min(seen)[1]}" if seen else ""
+                raise DataFault(problem + where)
 
-    def _record_health(self, counts: list[dict]) -> None:
-        self.health = {}
-        for s, source_counts in enumerate(counts):
-            self.health.update({f"data/{s}/{k}": float(v) for k, v in source_counts.items() if v})
-            self.health[f"data/{s}/epoch"] = float(self.epochs[s])
-            skipped = sum(source_counts[k] for k in SKIPPED)
-            self.health[f"data/{s}/skipped"] = float(skipped)
+    def _count_padding(self, step: int, counts: list[dict], turned: list[bool]) -> None:
+        """Padding of the step (all ranks' label slots), per source over its epoch; a
+        warning when an epoch's passes PADDING_WARNING."""
+        seq_len, batch = self.settings.window - 1, self.slots.global_batch
+        if len(self.sources) == 1:
+            slots = Counter({0: batch})
+        else:
+            slots = Counter(
+                slot_source(n, self.weights) for n in range(step * batch, step * batch + batch)
+            )
+        for s, source in enumerate(self.sources):
+            filled, possible = counts[s]["labels"], slots[s] * seq_len
+            self._padding[0] += filled
+            self._padding[1] += possible
+            epoch = self.epoch_padding[s]
+            epoch[0] += filled
+            epoch[1] += possible
+            if turned[s]:
+                share = 1 - epoch[0] / max(epoch[1], 1)
+                if share > PADDING_WARNING:
+                    log.warning(
+                        "%s: epoch %d was %.1f%% padding (label slots without a token)",
+                        source.cfg.uri, self.schedule.deals[s].epoch - 1, 100 * share,
+                    )  # fmt: skip
+                log.info("%s: epoch %d begins", source.cfg.uri, self.schedule.deals[s].epoch)
+                self.epoch_padding[s] = [0, 0]
+
+    def _windows(self, blocks: list[Block]) -> list:
+        """The step's windows in slot order (this rank's readers, each reader's slots)."""
+        by_reader = {}
+        for blk in blocks:
+            for reader, windows in blk.windows.items():
+                by_reader[reader] = [w for _, w in sorted(windows, key=lambda x: x[0])]
+        self.origins = {}
+        for blk in blocks:
+            for reader, origins in blk.origins.items():
+                self.origins[reader] = [o for _, o in sorted(origins, key=lambda x: x[0])]
+        return [w for reader in self.slots.mine for w in by_reader[reader]]
 
     def start(self) -> None:
         """Start the loader workers now, not at the next step: from the thread that should
@@ -281,34 +495,6 @@ class TrainData:
         workers, so that stopping a worker waits for the other's to end)."""
         if self._loader is None:
             self._start_workers()
-
-    def _stage(self):
-        """The step's windows, in slot order, and the states and finished epochs they
-        would commit (nothing is committed until every rank has its step)."""
-        self.start()
-        windows, states, finished = [], {}, set()
-        for r in self.plan.mine:
-            for slot in self.plan.slots(self.step, r):
-                s = slot_source(slot, self.weights)
-                if s in self.finished[r] or (r, s) in finished:
-                    windows.append(None)  # this reader has read its share of the epoch
-                    continue
-                window = self._next_window(r, s)
-                windows.append(window.tokens)
-                states[(r, s)] = window.state
-                if window.last:
-                    finished.add((r, s))
-        return windows, states, finished
-
-    def _next_window(self, reader: int, source: int):
-        queue = self._queues[(reader, source)]
-        while not queue:
-            item = next(self._loader)
-            if item[0] == "fault":
-                raise DataFault(item[1])
-            for r, s, window in item:
-                self._queues[(r, s)].append(window)
-        return queue.popleft()
 
     def _micro_batches(self, windows: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Windows (None: padding) -> micro-batches of (tokens, labels), padded windows
@@ -335,43 +521,57 @@ class TrainData:
         """Stop the workers (the next step starts new ones at the saved positions)."""
         if self._shutdown is not None:
             self._shutdown.set()
-        self._loader, self._shutdown = None, None
+        self._loader, self._shutdown, self._inboxes = None, None, []
 
     def _start_workers(self) -> None:
-        dataset = ReaderWorkers(
-            self.sources, self.weights, self.tokenizer, self.settings, self.plan,
-            self.states, self.step,
-        )  # fmt: skip
+        replica = copy.deepcopy(self.schedule)  # what the workers keep up to date
         if self.num_workers == 0:
-            self._loader = iter(dataset)
-        else:
-            shutdown = self._shutdown = multiprocessing.get_context().Event()
-            _SHUTDOWNS.append(shutdown)
-            loader = torch.utils.data.DataLoader(
-                dataset,
-                batch_size=None,
-                num_workers=self.num_workers,
-                worker_init_fn=functools.partial(worker_init, shutdown),
-                prefetch_factor=2,
-            )
-            self._loader = iter(loader)
-        self._queues = {(r, s): deque() for r in self.plan.mine for s in range(len(self.sources))}
+            self._inboxes = [queue.Queue()]
+            self._loader = iter(
+                ReaderWorkers(
+                    self.sources, self.units, self.weights, self.tokenizer, self.settings,
+                    self.slots, replica, self._inboxes,
+                )
+            )  # fmt: skip
+            return
+        context = multiprocessing.get_context()
+        self._inboxes = [context.Queue() for _ in range(self.num_workers)]
+        for inbox in self._inboxes:
+            inbox.cancel_join_thread()  # a worker that ended must not hold up this process's exit
+        shutdown = self._shutdown = context.Event()
+        _SHUTDOWNS.append(shutdown)
+        dataset = ReaderWorkers(
+            self.sources, self.units, self.weights, self.tokenizer, self.settings, self.slots,
+            replica, self._inboxes, shutdown,
+        )  # fmt: skip
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            worker_init_fn=functools.partial(worker_init, shutdown),
+            prefetch_factor=2,
+        )
+        self._loader = iter(loader)
 
     # state ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """This rank's readers' positions after the last complete step (merge all ranks'
-        with `merge_states` to move to another layout)."""
+        """The data position after the last complete step: the same on every rank."""
         return {
+            "format": STATE_FORMAT,
             "layout": dict(self.layout),
-            "step": self.step,
-            "epochs": list(self.epochs),
-            "readers": {r: dict(states) for r, states in self.states.items()},
-            "finished": {r: sorted(f) for r, f in self.finished.items()},
+            "schedule": self.schedule.state_dict(),
+            "totals": [dict(t) for t in self.totals],
+            "epoch_padding": [list(p) for p in self.epoch_padding],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a state (one rank's or merged); needs this rank's readers."""
+        """Continue from a state saved at any layout of the same data."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                "the data state was written by an earlier belief-lm (its readers had fixed "
+                "shares of each epoch); its position cannot be continued by this version"
+            )
         saved = state.get("layout", {})
         for key, value in self.layout.items():
             if saved.get(key) != value:
@@ -379,25 +579,27 @@ class TrainData:
                     f"data state was saved with {key}={saved.get(key)!r}, this run has "
                     f"{key}={value!r}: the stream cannot continue exactly"
                 )
-        missing = [r for r in self.plan.mine if r not in state["readers"]]
-        if missing:
-            raise ValueError(f"the data state has no position for readers {missing[:8]}")
-        self.step, self.epochs = state["step"], list(state["epochs"])
-        self.states = {r: dict(state["readers"][r]) for r in self.plan.mine}
-        self.finished = {r: set(state["finished"].get(r, ())) for r in self.plan.mine}
+        self.schedule.load_state_dict(state["schedule"])
+        self.totals = [Counter(t) for t in state["totals"]]
+        self.epoch_padding = [list(p) for p in state["epoch_padding"]]
+        self._record_health()
         self.close()  # the next step starts workers at these positions
 
     def stats(self) -> dict[str, float]:
         """Data health over all ranks as of the last step: per source rows, documents,
-        skipped (by reason), tokens and epoch, as 'data/<source>/<count>'."""
-        return dict(self.health)
+        skipped (by reason), tokens and epoch, as 'data/<source>/<count>'; and
+        'data/padding', the share of label slots without a token since the last call."""
+        self._record_health()
+        stats = dict(self.health)
+        if self._padding[1]:
+            stats["data/padding"] = 1 - self._padding[0] / self._padding[1]
+        self._padding = [0, 0]
+        return stats
 
-
-def merge_states(states: Sequence[dict]) -> dict:
-    """One data state from the states of several ranks (each holds its own readers)."""
-    merged = dict(states[0])
-    merged["readers"], merged["finished"] = {}, {}
-    for state in states:
-        merged["readers"].update(state["readers"])
-        merged["finished"].update(state["finished"])
-    return merged
+    def _record_health(self) -> None:
+        self.health = {}
+        for s, totals in enumerate(self.totals):
+            shown = {k: totals[k] for k in HEALTH if totals[k]}
+            self.health.update({f"data/{s}/{k}": float(v) for k, v in shown.items()})
+            self.health[f"data/{s}/epoch"] = float(self.schedule.deals[s].epoch)
+            self.health[f"data/{s}/skipped"] = float(sum(totals[k] for k in SKIPPED))

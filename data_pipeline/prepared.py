@@ -11,11 +11,11 @@ and it mixes, shards and resumes like the streaming sources.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import shutil
 from collections import Counter, deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,15 +24,8 @@ import numpy as np
 from tqdm import tqdm
 
 from data_pipeline.documents import split_of
-from data_pipeline.sources import Source, SourceError, batched
-from data_pipeline.stream import (
-    READ_BATCH,
-    DocumentReader,
-    StreamSettings,
-    Window,
-    skip_problem,
-    start_state,
-)
+from data_pipeline.sources import Source, SourceError, Unit, batched
+from data_pipeline.stream import READ_BATCH, DocumentReader, Position, StreamSettings, skip_problem
 from data_pipeline.tokenizer import Tokenizer, encode_in_process, load_in_process
 
 if TYPE_CHECKING:
@@ -66,8 +59,8 @@ def prepare(
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builders = {s: IndexedDatasetBuilder(str(output / f"{s}.bin"), dtype=dtype) for s in SPLITS}
     totals: Counter = Counter()
-    reader = DocumentReader(source, source.units(), StreamSettings(window=2, split=None))
-    documents = (batch for batch in batched(reader.documents(), READ_BATCH))
+    reader = DocumentReader(source, StreamSettings(window=2, split=None))
+    documents = (batch for batch in batched(reader.documents(source.units()), READ_BATCH))
     # spawn: no inherited threads or locks; the workers import only the tokenizer module
     context = multiprocessing.get_context("spawn")
     with (
@@ -204,45 +197,70 @@ class PreparedSource:
         """What a saved reading position is valid for: the prepared token counts."""
         return [self.size()]
 
-    def stream(self, reader: int, settings: StreamSettings, state: dict | None = None):
-        """Logical reader `reader`'s windows of the prepared split (see PreparedStream)."""
-        return PreparedStream(self.samples(settings.split or "train"), reader, settings, state)
+    def units(self, pieces: int = 1, split: str = "train") -> list[Unit]:
+        """Ranges of the split's samples (in megatron's shuffled order), at least `pieces`
+        of them where there are as many samples (open() first)."""
+        samples = len(self.samples(split) or ())
+        parts = min(max(pieces, 1), samples)
+        bounds = [samples * k // parts for k in range(parts + 1)]
+        return [Unit(-2, 0, a, b, b - a) for a, b in itertools.pairwise(bounds) if b > a]
+
+    def tokens_per_size(self, window: int) -> float:
+        """Tokens per unit size: a sample is a window."""
+        return float(window)
+
+    def stream(self, units, settings: StreamSettings, position: Position, unit_at):
+        """A stream of the prepared split's samples (see PreparedStream)."""
+        return PreparedStream(self.samples(settings.split or "train"), units, position, unit_at)
 
 
 class PreparedStream:
-    """A prepared source's windows for one logical reader: samples r, r + R, ... of each
-    epoch's order (epoch 0: megatron's shuffle; later epochs: a seeded permutation of it),
-    with the same interface and states as `stream.SourceStream`."""
+    """A prepared source's stream: the samples of its units, a window each, with the
+    interface and positions of `stream.SourceStream`."""
 
-    def __init__(self, dataset: GPTDataset | None, reader: int, settings, state=None):
-        self.dataset, self.reader, self.settings = dataset, reader, settings
-        self.state = dict(state or start_state())
+    def __init__(self, dataset: GPTDataset | None, units, position: Position, unit_at):
+        self.dataset, self.units, self.unit_at = dataset, units, unit_at
+        self.unit, self.row, self.unit_tokens = position.unit, position.row, position.unit_tokens
+        self.read: Counter = Counter()
+        self.taken = 0
+        self.tallies: dict[int, list[int]] = {}
+        self.first_bad = None
 
-    def _share(self, epoch: int) -> np.ndarray:
-        size = len(self.dataset or ())
-        order = np.arange(size) if epoch == 0 else (
-            np.random.default_rng([self.settings.seed, epoch]).permutation(size)
-        )  # fmt: skip
-        return order[self.reader :: self.settings.readers]
+    def next_window(self) -> np.ndarray | None:
+        index = self.unit_at(self.unit)
+        if index is None:
+            return None
+        unit = self.units[index]
+        sample = self.dataset[unit.start + self.row]
+        window = np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
+        self.row += 1
+        self.unit_tokens += len(window)
+        self.taken += len(window)
+        self.read["samples"] += 1
+        if self.row == unit.stop - unit.start:  # the position moves on to the next unit
+            self.tallies[self.unit] = [self.row, 0, self.unit_tokens]
+            self.unit, self.row, self.unit_tokens = self.unit + 1, 0, 0
+        return window.astype(np.int32)
 
-    def windows(self, epochs: int | None = None) -> Iterator[Window]:
-        epoch, index = self.state["epoch"], self.state.get("index", 0)
-        counts = Counter(self.state["counts"])
-        while epochs is None or epoch < epochs:
-            share = self._share(epoch)
-            if not len(share):
-                yield Window(np.empty(0, np.int32), True, _prepared(epoch + 1, 0, counts))
-            while index < len(share):
-                sample = self.dataset[int(share[index])]
-                window = np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
-                index += 1
-                counts["tokens"] += len(window)
-                counts["samples"] += 1
-                last = index == len(share)
-                state = _prepared(epoch + 1, 0, counts) if last else _prepared(epoch, index, counts)
-                yield Window(window.astype(np.int32), last, state)
-            epoch, index = epoch + 1, 0
+    def position(self) -> Position:
+        return Position(self.unit, self.row, 0, self.unit_tokens, 0)
 
+    def look_ahead(self, tokens: int) -> int:
+        """Position.ahead: the samples left in the list, counted without reading them."""
+        window = len(self.dataset[0]["tokens"]) + 1
+        left, k = 0, self.unit
+        while left <= tokens and (index := self.unit_at(k)) is not None:
+            unit = self.units[index]
+            left += (unit.stop - unit.start - (self.row if k == self.unit else 0)) * window
+            k += 1
+        return left if left <= tokens else -tokens
 
-def _prepared(epoch: int, index: int, counts) -> dict:
-    return {"epoch": epoch, "index": index, "counts": dict(counts)}
+    def counts(self) -> Counter:
+        return Counter(self.read, tokens=self.taken)
+
+    def finished_units(self, before: int) -> Counter:
+        out = Counter()
+        for k in [k for k in self.tallies if k < before]:
+            rows, _, tokens = self.tallies.pop(k)
+            out.update(units=1, unit_rows=rows, unit_rows2=rows * rows, unit_tokens=tokens)
+        return out

@@ -173,6 +173,7 @@ class Source:
         self.filters = [parse_filter(f) for f in cfg.filters]
         self._files: list[str] | None = None
         self._units: dict[int, list[Unit]] = {}
+        self._metadata: dict[str, pq.FileMetaData] = {}
         self._parser: RowParser | None = None
 
     def __repr__(self) -> str:
@@ -238,26 +239,35 @@ class Source:
         return sorted(str(f) for f in files)
 
     def check(self) -> None:
-        """Pre-flight: the source opens and has the needed columns (metadata/first rows)."""
+        """Pre-flight: the source opens and has the needed columns (metadata/first rows).
+        A file without rows is skipped with a warning; a SourceError if every file is empty."""
+        empty = []
         for path in self.files():
             try:
-                _retry(lambda path=path: self._check_file(path), path)
+                if not _retry(lambda path=path: self._check_file(path), path):
+                    empty.append(path)
             except Exception as err:
                 if failure_kind(err) is None:
                     raise
                 raise SourceError("uri", f"cannot read {path}: {err}") from None
+        if empty and len(empty) == len(self.files()):
+            which = empty[0] if len(empty) == 1 else f"all {len(empty)} files ({empty[0]}, ...)"
+            raise SourceError("uri", f"{which}: no rows (the source is empty)")
+        for path in empty:
+            log.warning("%s: %s has no rows; skipped", self.cfg.uri, path)
 
-    def _check_file(self, path: str) -> None:
+    def _check_file(self, path: str) -> bool:
+        """Whether the file has rows (raises SourceError if it lacks a needed column)."""
         if self.file_format == "parquet":
-            self._check_parquet(path)
-        elif self.file_format == "jsonl":
-            self._check_jsonl(path)
-        else:
-            with _binary(path) as f:
-                f.read(1)
+            return self._check_parquet(path)
+        if self.file_format == "jsonl":
+            return self._check_jsonl(path)
+        with _binary(path) as f:
+            return bool(f.read(1))
 
-    def _check_parquet(self, path: str) -> None:
-        schema = _parquet_file(path).schema_arrow
+    def _check_parquet(self, path: str) -> bool:
+        meta = self._meta(path)
+        schema = meta.schema.to_arrow_schema()
         self._require_columns(path, schema.names)
         kind = schema.field(self.cfg.text_column).type
         if kind not in _TEXT_TYPES:
@@ -265,6 +275,13 @@ class Source:
                 "text_column",
                 f"{path}: column {self.cfg.text_column!r} has type {kind}, not a string",
             )
+        return meta.num_rows > 0
+
+    def _meta(self, path: str) -> pq.FileMetaData:
+        """A parquet file's footer, read once (the pre-flight and the units both need it)."""
+        if path not in self._metadata:
+            self._metadata[path] = _retry(lambda: _parquet_file(path).metadata, path)
+        return self._metadata[path]
 
     def _check_jsonl(self, path: str) -> None:
         """The columns of the first parseable row among the first CHECKED_LINES (a corrupt
@@ -272,7 +289,7 @@ class Source:
         with _binary(path) as f:
             lines = [x for x in itertools.islice(f, CHECKED_LINES) if x.strip()]
         if not lines:
-            raise SourceError("uri", f"{path}: no rows (the file is empty)")
+            return False
         for line in lines:
             try:
                 row = json.loads(line)
@@ -280,7 +297,7 @@ class Source:
                 continue
             if isinstance(row, dict):
                 self._require_columns(path, list(row))
-                return
+                return True
         raise SourceError("uri", f"{path}: none of its first {len(lines)} rows is a JSON object")
 
     def _require_columns(self, where: str, present: list[str]) -> None:
@@ -298,35 +315,36 @@ class Source:
 
     def units(self, pieces: int = 1) -> list[Unit]:
         """The source as units, in file order, cut so that none is larger than about
-        1/`pieces` of the whole (when its rows or bytes can be split at all). Read once
-        (file metadata) and kept: workers receive them with the source."""
+        1/`pieces` of the whole (when its rows or bytes can be split at all); files and row
+        groups without rows are left out. Read once (file metadata) and kept: workers
+        receive them with the source."""
         if pieces not in self._units:
             self._units[pieces] = self._read_units(pieces)
         return self._units[pieces]
 
-    def open(self, settings) -> None:
-        """Resolve files and units once, in the main process, before workers start."""
-        from data_pipeline.stream import UNITS_PER_READER
-
-        self.units(settings.readers * UNITS_PER_READER)
+    def tokens_per_size(self, window: int) -> float:
+        """A first guess of tokens per unit of `Unit.size` (bytes or characters of text),
+        before the run has measured it: English BPE takes about 4 bytes per token."""
+        return 0.25
 
     def _read_units(self, pieces: int) -> list[Unit]:
-        if self.kind == "embedded":
-            n = len(embedded_documents())
-            return _cut([Unit(-1, 0, 0, n, n)], pieces)
+        if self.kind == "embedded":  # sizes: characters, exact
+            sizes = [len(doc.text) for doc in embedded_documents()]
+            return _cut([Unit(-1, 0, 0, len(sizes), sum(sizes))], pieces, sizes)
         whole = []
         for i, path in enumerate(self.files()):
-            if self.file_format == "parquet":  # size: uncompressed bytes, a proxy for tokens
-                meta = _retry(lambda path=path: _parquet_file(path).metadata, path)
+            if self.file_format == "parquet":
+                # size: the text column's uncompressed bytes, a proxy for its tokens
+                meta = self._meta(path)
+                text = meta.schema.to_arrow_schema().get_field_index(self.cfg.text_column)
                 for g in range(meta.num_row_groups):
                     group = meta.row_group(g)
-                    whole.append(Unit(i, g, 0, group.num_rows, max(1, group.total_byte_size)))
-            elif path.endswith(_COMPRESSIONS):  # no seeking in a compressed stream
-                size = _size(path)
-                whole.append(Unit(i, 0, 0, None, size))
-            else:
-                size = _size(path)
-                whole.append(Unit(i, 0, 0, size, size))
+                    if group.num_rows:
+                        size = group.column(text).total_uncompressed_size if text >= 0 else 0
+                        whole.append(Unit(i, g, 0, group.num_rows, max(1, size)))
+            elif size := _size(path):
+                compressed = path.endswith(_COMPRESSIONS)  # no seeking in a compressed stream
+                whole.append(Unit(i, 0, 0, None if compressed else size, size))
         if self.file_format == "text" and self.cfg.text_unit != "line":
             # a document or a paragraph may span any byte: whole files only
             whole = [Unit(u.file, 0, 0, None, u.size) for u in whole]
@@ -363,24 +381,39 @@ def open_source(cfg: SourceConfig):
     return Source(cfg)
 
 
-def _cut(units: list[Unit], pieces: int) -> list[Unit]:
+def _cut(units: list[Unit], pieces: int, row_sizes: Sequence[int] | None = None) -> list[Unit]:
     """Split units larger than total/pieces into near-equal parts where they can be split
-    (parquet rows, embedded documents, uncompressed byte ranges)."""
+    (parquet rows, embedded documents, uncompressed byte ranges): by `row_sizes` where the
+    size of every row is known (the embedded corpus), else into equal row ranges."""
     limit = max(1, -(-sum(u.size for u in units) // max(1, pieces)))
     out = []
     for unit in units:
         if unit.stop is None or unit.size <= limit:
             out.append(unit)
-            continue
-        parts = -(-unit.size // limit)
-        length = unit.stop - unit.start
-        bounds = [unit.start + length * k // parts for k in range(parts + 1)]
-        per = unit.size / length
-        out += [
-            Unit(unit.file, unit.group, a, b, max(1, round((b - a) * per)))
-            for a, b in itertools.pairwise(bounds)
-            if b > a
-        ]
+        elif row_sizes is not None:
+            out += _cut_by_row_sizes(unit, row_sizes, limit)
+        else:
+            parts = -(-unit.size // limit)
+            length = unit.stop - unit.start
+            bounds = [unit.start + length * k // parts for k in range(parts + 1)]
+            out += [
+                Unit(unit.file, unit.group, a, b, max(1, unit.size * (b - a) // length))
+                for a, b in itertools.pairwise(bounds)
+                if b > a
+            ]
+    return out
+
+
+def _cut_by_row_sizes(unit: Unit, row_sizes: Sequence[int], limit: int) -> list[Unit]:
+    """Rows [unit.start, unit.stop) in consecutive parts of about `limit` in size."""
+    out, first, size = [], unit.start, 0
+    for row in range(unit.start, unit.stop):
+        size += row_sizes[row]
+        if size >= limit:
+            out.append(Unit(unit.file, unit.group, first, row + 1, max(1, size)))
+            first, size = row + 1, 0
+    if first < unit.stop:
+        out.append(Unit(unit.file, unit.group, first, unit.stop, max(1, size)))
     return out
 
 
@@ -416,14 +449,17 @@ def _parquet_rows(path: str, unit: Unit, columns: list[str], skip: int) -> Itera
 
 _PARTS: OrderedDict[tuple, pa.Table] = OrderedDict()
 """Row groups read in parts, decoded: (path, group, columns) -> table, least recent first."""
+_PARTS_BYTES = [0]
+"""Bytes the tables in _PARTS hold (kept with it: summing them per access is O(cache))."""
 
 
 def _decoded_group(path: str, parquet: pq.ParquetFile, group: int, columns: tuple) -> pa.Table:
     key = (path, group, columns)
     if key not in _PARTS:
-        _PARTS[key] = parquet.read_row_group(group, columns=list(columns))
-        while len(_PARTS) > 1 and sum(t.nbytes for t in _PARTS.values()) > PART_CACHE_BYTES:
-            _PARTS.popitem(last=False)
+        _PARTS[key] = table = parquet.read_row_group(group, columns=list(columns))
+        _PARTS_BYTES[0] += table.nbytes
+        while len(_PARTS) > 1 and _PARTS_BYTES[0] > PART_CACHE_BYTES:
+            _PARTS_BYTES[0] -= _PARTS.popitem(last=False)[1].nbytes
     _PARTS.move_to_end(key)
     return _PARTS[key]
 

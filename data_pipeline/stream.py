@@ -1,29 +1,25 @@
-"""The training stream: logical readers, global epochs, packed windows, exact positions.
+"""Streams: the documents of a list of units, tokenized and packed into windows.
 
-A run has a fixed number R of *logical readers* (`data.readers`, by default one per
-sequence of the global batch). Every training step takes G/R windows from every reader
-(G = train.global_batch_size) in reader order, so global batch k is a function of k alone;
-data-parallel rank d serves readers [d R/DP, (d+1) R/DP) and its DataLoader workers split
-those further. Nothing about the data depends on DP, the workers or TP/PP: a checkpoint's
-data state (every reader's position) continues at any layout whose DP divides R.
+A *stream* reads the units of a source it is handed (`data_pipeline/schedule.py` deals
+them out), in order: rows -> documents (`RowParser`; corrupt, non-UTF-8 and empty rows
+are skipped and counted) -> sentencepiece ids + EOS -> windows of seq_len + 1 tokens. A
+document continues from one window into the next, and from one unit's last document into
+the next unit's first. The list of units may grow while the stream reads it (the stream
+asks for unit k with `unit_at(k)` and is *exhausted* for now when there is none yet);
+windows are never held back: a stream that runs out mid-window returns a short one.
 
-Epochs are global. Each source's units (`sources.Unit`: parquet row ranges, byte ranges,
-files) are put in a seeded order per epoch and dealt to the readers by size (the least
-loaded reader takes the next unit), so every document of an epoch is read by exactly one
-reader. A reader that has read its share stops contributing to that source: its slots
-become padding (inputs masked out of the loss) until every reader has finished the epoch,
-and only then does epoch e + 1 begin, for all readers at the same step (agreed between
-the data-parallel ranks by one small all-reduce per step, `loader.TrainData`). Balanced
-shares keep that tail short; only each reader's final window of an epoch may be short.
+Where a stream stands is a `Position`: the unit it reads (its index k in the stream's
+list), the row of the document at its head, how many of that document's tokens were
+already used, and the tokens and unusable rows of unit k before it. Restoring a position
+re-reads that row, tokenizes it and drops the tokens already used, so a stream made at a
+position continues with exactly the windows the original would have produced next; any
+process holding the position and the list can make one.
 
-Within a reader, each source is its own `SourceStream`: rows -> documents (`RowParser`;
-corrupt, non-UTF-8 and empty rows are skipped and counted) -> sentencepiece ids + EOS ->
-windows of seq_len + 1 tokens. Each window carries the stream's position after it, as
-(epoch, unit, row, token): where the next window starts. Restoring a position re-reads
-that row, tokenizes it and drops the tokens already used, so a resumed stream continues
-with exactly the next window; positions are small and layout-free. Mixtures choose the
-source of global slot n by a Weyl sequence over the weights: every step holds each
-source's share of the batch to within a window, and the proportions are exact in the limit.
+Counts (rows, documents, skipped by reason, ...) are attributed to positions, never to
+reading ahead: the counts of a stretch of windows are the rows read before the position at
+its end minus those before the position at its start, and a unit's own tallies are
+reported when the position passes it. So counting is exact however often a stream is
+remade, and however far it read ahead.
 """
 
 from __future__ import annotations
@@ -33,8 +29,9 @@ import itertools
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -47,17 +44,18 @@ log = logging.getLogger(__name__)
 READ_BATCH = 32
 """Documents tokenized at a time (one sentencepiece call)."""
 LOGGED_SKIPS = 10
-"""Skipped rows logged one by one per stream; later ones every 1000th."""
-UNITS_PER_READER = 8
-"""Units are cut to at most 1/(readers x this) of a source, so that dealt largest first
-(epoch_shares) the readers' shares differ by at most one such unit. Not finer: pieces of
-one parquet row group each decode the rows before them."""
+"""Skipped rows logged one by one per source and process; later ones every 1000th."""
 STUCK_ROWS = 10_000
 """A stream that read this many rows without one document stops the run (the fair,
-global skip check needs documents to flow)."""
+global skip check needs documents to flow); the pre-flight reads as many at most."""
 _PHI = (math.sqrt(5) - 1) / 2
 SKIPPED = (*SKIP_REASONS, "corrupt_row_group")
 """Counted as unusable rows: what data.max_skipped_fraction limits."""
+UNIT_TALLIES = ("units", "unit_rows", "unit_bad", "unit_bad2", "unit_rows2", "unit_rows_bad",
+                "unit_tokens", "bad_units")  # fmt: skip
+"""Sums over the units a stream finished: their number, rows, unusable rows, the squares
+and product of those (the skip check's spread between units), their tokens, and how many
+had an unusable row."""
 
 
 @dataclass(frozen=True)
@@ -80,74 +78,28 @@ class StreamSettings:
     """sentencepiece threads per tokenization call (-1: all cores)."""
 
 
-@dataclass
-class Window:
-    """One window of a stream and the stream's state after it."""
+class Position(NamedTuple):
+    """Where a stream continues."""
 
-    tokens: np.ndarray
-    """int32 token ids; shorter than StreamSettings.window only at the end of an epoch."""
-    last: bool
-    """The stream's last window of its share of this epoch."""
-    state: dict
-    """Where the stream continues: {'epoch', 'unit', 'row', 'token', 'counts'}."""
-
-
-def start_state() -> dict:
-    return {"epoch": 0, "unit": 0, "row": 0, "token": 0, "counts": {}}
-
-
-SKIP_CONFIDENCE_Z = 3.0
-"""How sure the skip check must be that a source is worse than its limit (standard
-deviations of the binomial estimate; 3: about 1 in 700 false stops)."""
+    unit: int = 0
+    """Index in the stream's list of the unit it reads (the list's length: exhausted)."""
+    row: int = 0
+    """Row of that unit holding the document at the head (rows before it were read)."""
+    token: int = 0
+    """Tokens of the head document already in earlier windows."""
+    unit_tokens: int = 0
+    """Tokens of the unit already in earlier windows."""
+    unit_bad: int = 0
+    """Unusable rows of the unit before the head."""
+    ahead: int = 0
+    """In an epoch's tail: the tokens the stream has left, if it read them all ahead
+    (> 0), or minus the number it read ahead without reaching its end (< 0); else 0. Not
+    needed to continue: it tells the schedule which streams need readers most."""
 
 
-def skip_problem(
-    uri: str, counts, max_fraction: float, min_rows: int, whole: bool = False
-) -> str | None:
-    """Why a source must stop: too many unusable rows. Judged on its cumulative counts,
-    never on fewer than `min_rows` rows: a read in progress stops only when even the lower
-    confidence bound of its unusable share (Wilson score) is above the limit, so an early
-    cluster of bad rows in a clean corpus does not stop it; a `whole` read (every row of
-    the source) compares its exact share."""
-    rows = counts.get("rows", 0)
-    skipped = sum(counts.get(reason, 0) for reason in SKIPPED)
-    if not rows or (rows < min_rows and not whole):
-        return None
-    share = skipped / rows
-    if not whole:
-        z2 = SKIP_CONFIDENCE_Z**2
-        spread = SKIP_CONFIDENCE_Z * math.sqrt(share * (1 - share) / rows + z2 / (4 * rows**2))
-        share = (share + z2 / (2 * rows) - spread) / (1 + z2 / rows)
-    if share <= max_fraction:
-        return None
-    detail = ", ".join(f"{r} {counts[r]}" for r in SKIPPED if counts.get(r))
-    return (
-        f"{uri}: {skipped} of {rows} rows unusable ({detail}), more than "
-        f"data.max_skipped_fraction={max_fraction}"
-    )
-
-
-def stream_for(source, tokenizer: Tokenizer | None, reader: int, settings, state=None):
-    """Logical reader `reader`'s stream of `source` (prepared data has its own)."""
-    if not isinstance(source, Source):
-        return source.stream(reader, settings, state)
-    units = source.units(settings.readers * UNITS_PER_READER)
-    return SourceStream(source, units, tokenizer, reader, settings, state)
-
-
-def epoch_shares(units: Sequence[Unit], readers: int, seed: int, epoch: int) -> list[list[int]]:
-    """Unit indices of each reader in epoch `epoch`, in reading order. The units are dealt
-    largest first, each to the reader with the least size so far (LPT: shares end up
-    within a small unit of each other), and each reader reads its own in a seeded order
-    that changes every epoch."""
-    rank = np.empty(len(units), dtype=np.int64)
-    rank[np.random.default_rng([seed, epoch]).permutation(len(units))] = np.arange(len(units))
-    loads, shares = [0] * readers, [[] for _ in range(readers)]
-    for index in sorted(range(len(units)), key=lambda i: (-units[i].size, rank[i])):
-        reader = loads.index(min(loads))
-        shares[reader].append(index)
-        loads[reader] += units[index].size
-    return [sorted(share, key=lambda i: rank[i]) for share in shares]
+def epoch_order(units: int, seed: int, epoch: int) -> np.ndarray:
+    """The order in which epoch `epoch` deals a source's units out: a seeded permutation."""
+    return np.random.default_rng([seed, epoch]).permutation(units)
 
 
 def slot_source(slot: int, weights: Sequence[float]) -> int:
@@ -161,8 +113,72 @@ def slot_source(slot: int, weights: Sequence[float]) -> int:
     return min(bisect.bisect_right(bounds, ((slot + 1) * _PHI) % 1.0), len(weights) - 1)
 
 
+def slot_sources(slots: np.ndarray, weights: Sequence[float]) -> np.ndarray:
+    """slot_source of every slot in `slots`, at once."""
+    if len(weights) == 1:
+        return np.zeros(len(slots), dtype=np.int64)
+    bounds = np.cumsum(np.asarray(weights, dtype=np.float64) / sum(weights))
+    where = np.searchsorted(bounds, ((slots + 1) * _PHI) % 1.0, side="right")
+    return np.minimum(where, len(weights) - 1)
+
+
+SKIP_CONFIDENCE_Z = 3.0
+"""How sure the skip check must be that a source is worse than its limit (standard
+deviations of the estimate; 3: about 1 in 700 false stops)."""
+MIN_JUDGED_UNITS = 8
+"""Finished units before a source is judged mid-epoch: the spread between units needs a few."""
+
+
+def skip_problem(
+    uri: str, counts, max_fraction: float, min_rows: int, whole: bool = False
+) -> str | None:
+    """Why a source must stop: too many unusable rows, or None.
+
+    A `whole` read (every row of the source, once) compares its exact share. A read in
+    progress is judged once `min_rows` rows and MIN_JUDGED_UNITS units were read, and stops
+    only when even the lower confidence bound of its unusable share is above the limit.
+    Unusable rows come in clusters (one broken file, one bad crawl), so the bound's spread is
+    also measured between units (a cluster-robust standard error over the finished units),
+    not only assumed binomial between rows: one broken block of a clean corpus leaves the
+    bound wide, a source bad throughout narrows it."""
+    rows = counts.get("rows", 0)
+    skipped = sum(counts.get(reason, 0) for reason in SKIPPED)
+    if not rows:
+        return None
+    share = skipped / rows
+    if not whole:
+        units = counts.get("units", 0)
+        if rows < min_rows or units < MIN_JUDGED_UNITS:
+            return None
+        binomial = math.sqrt(share * (1 - share) / rows)
+        share -= SKIP_CONFIDENCE_Z * max(_cluster_error(counts), binomial)
+    if share <= max_fraction:
+        return None
+    detail = ", ".join(f"{r} {counts[r]}" for r in SKIPPED if counts.get(r))
+    spread = ""
+    if counts.get("units"):
+        spread = f" in {counts.get('bad_units', 0)} of {counts['units']} units read"
+    return (
+        f"{uri}: {skipped} of {rows} rows unusable ({detail}){spread}, more than "
+        f"data.max_skipped_fraction={max_fraction}"
+    )
+
+
+def _cluster_error(counts) -> float:
+    """Standard error of the unusable share over the finished units (a ratio estimate,
+    each unit one observation of (rows, unusable rows))."""
+    n, rows = counts["units"], counts["unit_rows"]
+    if n < 2 or not rows:
+        return math.inf
+    share = counts["unit_bad"] / rows
+    spread = (
+        counts["unit_bad2"] - 2 * share * counts["unit_rows_bad"] + share**2 * counts["unit_rows2"]
+    )
+    return math.sqrt(max(spread, 0.0) * n / (n - 1)) / rows
+
+
 class DocumentReader:
-    """The documents of a list of units from a position (unit, row), with counts of rows,
+    """The documents of units from a position (unit, row), with counts of rows,
     documents, filtered, held-out and skipped rows; skips logged with their file and row.
 
     A unit that fails to read (`sources.failure_kind`) is read again from the row it had
@@ -170,19 +186,30 @@ class DocumentReader:
     is corrupt (data.on_corrupt_row_group), and otherwise (the network still down, the
     file gone) fails the source: a DataFault naming the source, file and row."""
 
-    def __init__(self, source: Source, units: Sequence[Unit], settings: StreamSettings):
-        self.source, self.units, self.settings = source, units, settings
-        self.counts: Counter = Counter()
+    _skips_logged: ClassVar[Counter] = Counter()
+    """Skipped rows logged so far in this process, per source URI."""
 
-    def documents(self, unit: int = 0, row: int = 0) -> Iterator[tuple]:
+    def __init__(self, source: Source, settings: StreamSettings):
+        self.source, self.settings = source, settings
+        self.counts: Counter = Counter()
+        self.first_bad: str | None = None
+        """Where this reader met its first unusable row."""
+        self.unit_bad = 0
+        """Unusable rows of the unit being read, so far."""
+
+    def documents(self, units: Sequence[Unit], unit: int = 0, row: int = 0) -> Iterator[tuple]:
         """(document, unit index, row index in the unit, counts before its row) from
-        position (unit, row)."""
-        for u in range(unit, len(self.units)):
-            first = row if u == unit else 0
-            for doc, r, before in self._unit_documents(self.units[u], first):
+        position (unit, row) of `units`."""
+        for u in range(unit, len(units)):
+            for doc, r, before in self.unit_documents(units[u], row if u == unit else 0):
                 yield doc, u, r, before
 
-    def _unit_documents(self, unit: Unit, first: int) -> Iterator[tuple[Document, int, dict]]:
+    def unit_documents(
+        self, unit: Unit, first: int = 0, bad: int = 0
+    ) -> Iterator[tuple[Document, int, dict]]:
+        """(document, row index in the unit, counts before its row) from row `first`;
+        `bad`: the unit's unusable rows before it (unit_bad counts on from there)."""
+        self.unit_bad = bad
         following = [first]  # the next row's index in the unit (_read_unit advances it)
         for attempt in range(1, RETRIES + 1):
             try:
@@ -219,8 +246,8 @@ class DocumentReader:
                 continue
             counts[doc] += 1
             if doc in SKIP_REASONS:
-                self._log_skip(doc, where)
-            if counts["rows"] >= STUCK_ROWS and not counts["documents"]:
+                self._skipped(doc, where)
+            if counts["rows"] >= STUCK_ROWS and not (counts["documents"] or counts["held_out"]):
                 raise DataFault(
                     f"{self.source.cfg.uri}: {counts['rows']} rows read without a usable "
                     f"document (last: {where}, {doc})"
@@ -251,109 +278,174 @@ class DocumentReader:
         lost = unit.stop - row if self.source.file_format == "parquet" else 1
         self.counts["rows"] += lost
         self.counts["corrupt_row_group"] += lost
+        self.unit_bad += lost
+        self.first_bad = self.first_bad or self._where(unit, following)
         log.warning(
             "%s; skipped its %d unread row(s) (data.on_corrupt_row_group=skip)", message, lost
         )
 
-    def _log_skip(self, reason: str, where: str) -> None:
-        skipped = sum(self.counts[r] for r in SKIP_REASONS)
-        if skipped <= LOGGED_SKIPS or skipped % 1000 == 0:
+    def _skipped(self, reason: str, where: str) -> None:
+        self.unit_bad += 1
+        self.first_bad = self.first_bad or where
+        logged = self._skips_logged
+        logged[self.source.cfg.uri] += 1
+        if logged[self.source.cfg.uri] <= LOGGED_SKIPS or logged[self.source.cfg.uri] % 1000 == 0:
             log.warning("%s: skipped a row (%s) at %s", self.source.cfg.uri, reason, where)
 
 
+@dataclass
+class _Pending:
+    """A tokenized document not yet wholly in windows."""
+
+    tokens: np.ndarray
+    unit: int
+    row: int
+    offset: int
+    """Tokens of the document already taken (its first token in `tokens` is this one)."""
+    before: dict
+    """The reader's counts before its row."""
+    unit_bad: int
+    """Unusable rows of its unit before its row."""
+
+
 class SourceStream:
-    """One source's windows for one logical reader, epoch after epoch (see the module
-    docstring); `windows()` continues from `state` (a Window.state)."""
+    """The windows of one stream of a source (see the module docstring): `next_window()`
+    until it returns None (exhausted for now; it continues if the list grows)."""
 
     def __init__(
         self,
         source: Source,
         units: Sequence[Unit],
         tokenizer: Tokenizer,
-        reader: int,
         settings: StreamSettings,
-        state: dict | None = None,
+        position: Position,
+        unit_at: Callable[[int], int | None],
     ):
         self.source, self.units, self.tokenizer = source, units, tokenizer
-        self.reader, self.settings = reader, settings
-        self.state = dict(state or start_state())
+        self.settings, self.unit_at = settings, unit_at
+        self.reader = DocumentReader(source, settings)
+        self.pending: deque[_Pending] = deque()
+        self.available = 0
+        self.reading, self.next_row = position.unit, position.row  # where reading continues
+        self.skip_tokens = position.token  # of the first document read
+        self.documents: Iterator | None = None
+        # per unit from the position on: [rows read, unusable rows read, tokens taken]
+        self.tallies = {position.unit: [position.row, position.unit_bad, position.unit_tokens]}
+        self.tokens_taken = 0
 
-    def windows(self, epochs: int | None = None) -> Iterator[Window]:
-        """Windows from the state on; `epochs`: stop after that many (None: endless)."""
-        epoch, size = self.state["epoch"], self.settings.window
-        counts = Counter(self.state["counts"])
-        unit, row, skip_tokens = self.state["unit"], self.state["row"], self.state["token"]
-        while epochs is None or epoch < epochs:
-            share = [self.units[i] for i in self._share(epoch)]
-            reader = DocumentReader(self.source, share, self.settings)
-            reader.counts = counts
-            pending: deque = deque()  # [tokens, unit, row, counts before the row]
-            docs = reader.documents(unit, row)
-            available, done, yielded = 0, False, False
-            while True:
-                while available <= size and not done:  # read ahead: is there more?
-                    batch = list(itertools.islice(docs, READ_BATCH))
-                    done = len(batch) < READ_BATCH
-                    available += self._tokenize(batch, pending, skip_tokens)
-                    skip_tokens = 0
-                if available == 0:
+    def next_window(self) -> np.ndarray | None:
+        """The next window (int32; short only where the stream ran out), or None when it
+        has nothing now."""
+        size = self.settings.window
+        while self.available <= size and self._read():
+            pass
+        if not self.available:
+            return None
+        take = min(size, self.available)
+        self.available -= take
+        self.tokens_taken += take
+        parts = []
+        while take:
+            head = self.pending[0]
+            piece = head.tokens[:take]
+            parts.append(piece)
+            take -= len(piece)
+            self.tallies[head.unit][2] += len(piece)
+            if len(piece) == len(head.tokens):
+                self.pending.popleft()
+            else:
+                head.tokens, head.offset = head.tokens[len(piece) :], head.offset + len(piece)
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
+    @property
+    def first_bad(self) -> str | None:
+        """Where this stream met its first unusable row."""
+        return self.reader.first_bad
+
+    def position(self) -> Position:
+        """Where the next window starts (after reading ahead, so it knows whether the
+        stream is exhausted)."""
+        if not self.pending:
+            return Position(self.reading)
+        head = self.pending[0]
+        return Position(head.unit, head.row, head.offset, self.tallies[head.unit][2], head.unit_bad)
+
+    def look_ahead(self, tokens: int) -> int:
+        """Position.ahead: read on until more than `tokens` tokens are pending or the list
+        is read (the result depends on the data alone, not on how far it had read)."""
+        while self.available <= tokens and self._read():
+            pass
+        return self.available if self.available <= tokens else -tokens
+
+    def counts(self) -> Counter:
+        """Counts of the rows before the position (since this stream was made), plus the
+        tokens taken."""
+        counts = Counter(self.pending[0].before if self.pending else self.reader.counts)
+        counts["tokens"] = self.tokens_taken
+        return counts
+
+    def finished_units(self, before: int) -> Counter:
+        """UNIT_TALLIES over the units before index `before` (the position passed them),
+        which are then forgotten."""
+        out = Counter()
+        for k in [k for k in self.tallies if k < before]:
+            rows, bad, tokens = self.tallies.pop(k)
+            out.update(
+                units=1, unit_rows=rows, unit_bad=bad, unit_bad2=bad * bad, unit_rows2=rows * rows,
+                unit_rows_bad=rows * bad, unit_tokens=tokens, bad_units=int(bad > 0),
+            )  # fmt: skip
+        return out
+
+    def _read(self) -> bool:
+        """Read and tokenize up to READ_BATCH more documents; False if there were none."""
+        batch = []
+        while len(batch) < READ_BATCH:
+            if self.documents is None:
+                unit = self.unit_at(self.reading)
+                if unit is None:
                     break
-                take = min(size, available)
-                tokens = _take(pending, take)
-                available -= take
-                counts["tokens"] += take
-                last = done and available == 0
-                if last:
-                    state = _state(epoch + 1, 0, 0, 0, counts)
-                else:
-                    head = pending[0]
-                    state = _state(epoch, head[1], head[2], head[4], head[3])
-                    state["counts"]["tokens"] = counts["tokens"]
-                yielded = True
-                yield Window(tokens, last, state)
-                if last:
-                    break
-            if not yielded:  # an empty share: say so once, as a last (empty) window
-                yield Window(np.empty(0, np.int32), True, _state(epoch + 1, 0, 0, 0, counts))
-            epoch, unit, row = epoch + 1, 0, 0
-
-    def _share(self, epoch: int) -> list[int]:
-        return epoch_shares(self.units, self.settings.readers, self.settings.seed, epoch)[
-            self.reader
-        ]
-
-    def _tokenize(self, batch: list, pending: deque, skip_tokens: int) -> int:
-        """Tokenize documents [(doc, unit, row)] into `pending`; the first drops
-        `skip_tokens` (a restored position inside it). Returns the tokens added."""
+                self.tallies.setdefault(self.reading, [0, 0, 0])
+                self.documents = self._unit_documents(self.units[unit], self.next_row)
+            item = next(self.documents, None)
+            if item is None:
+                self.documents, self.reading, self.next_row = None, self.reading + 1, 0
+                continue
+            batch.append(item)
         if not batch:
-            return 0
+            return False
         ids = self.tokenizer.encode_batch(
             [doc.text for doc, *_ in batch], add_eos=True, num_threads=self.settings.threads
         )
-        added = 0
-        for i, ((_, unit, row, before), tokens) in enumerate(zip(batch, ids, strict=True)):
+        for (_, unit, row, before, bad), tokens in zip(batch, ids, strict=True):
             array = np.fromiter(tokens, np.int32, count=len(tokens))  # (faster than asarray)
-            offset = skip_tokens if i == 0 else 0
-            # the counts before this row: restoring here re-reads (and re-counts) it
-            pending.append([array[offset:], unit, row, before, offset])
-            added += len(array) - offset
-        return added
+            offset, self.skip_tokens = self.skip_tokens, 0
+            self.pending.append(_Pending(array[offset:], unit, row, offset, before, bad))
+            self.available += len(array) - offset
+        return True
+
+    def _unit_documents(self, unit: Unit, first: int) -> Iterator[tuple]:
+        """The unit's documents with what a pending document records, keeping its tallies."""
+        tally, reading = self.tallies[self.reading], self.reading
+        rows_before = self.reader.counts["rows"]
+        for doc, row, before in self.reader.unit_documents(unit, first, tally[1]):
+            tally[0] += self.reader.counts["rows"] - rows_before
+            tally[1] = self.reader.unit_bad
+            rows_before = self.reader.counts["rows"]
+            yield doc, reading, row, before, self.reader.unit_bad
+        tally[0] += self.reader.counts["rows"] - rows_before
+        tally[1] = self.reader.unit_bad
 
 
-def _take(pending: deque, n: int) -> np.ndarray:
-    """The next n tokens of the pending documents (advancing their offsets)."""
-    parts = []
-    while n:
-        head = pending[0]
-        piece = head[0][:n]
-        parts.append(piece)
-        n -= len(piece)
-        if len(piece) == len(head[0]):
-            pending.popleft()
-        else:
-            head[0], head[4] = head[0][len(piece) :], head[4] + len(piece)
-    return np.concatenate(parts) if len(parts) != 1 else parts[0]
-
-
-def _state(epoch: int, unit: int, row: int, token: int, counts) -> dict:
-    return {"epoch": epoch, "unit": unit, "row": row, "token": token, "counts": dict(counts)}
+def stream_for(
+    source,
+    units: Sequence[Unit],
+    tokenizer: Tokenizer,
+    settings: StreamSettings,
+    position: Position,
+    unit_at: Callable[[int], int | None],
+):
+    """A stream of `source`'s `units` from `position`, the k-th of its list being
+    units[unit_at(k)] (prepared data has its own kind of stream)."""
+    if not isinstance(source, Source):
+        return source.stream(units, settings, position, unit_at)
+    return SourceStream(source, units, tokenizer, settings, position, unit_at)

@@ -45,15 +45,8 @@ def rank_state(layout: Layout) -> dict:
 
 
 def data_state(data) -> dict:
-    """The whole run's data position: every data-parallel rank's readers (collective over
-    the data-parallel group)."""
-    from megatron.core import parallel_state as ps
-
-    from data_pipeline.loader import merge_states
-
-    states = [None] * ps.get_data_parallel_world_size()
-    dist.all_gather_object(states, data.state_dict(), group=ps.get_data_parallel_group())
-    return merge_states(states)
+    """The whole run's data position (every rank holds all of it, the same)."""
+    return data.state_dict()
 
 
 def weights_only(plan: ResumePlan | None) -> dict[str, torch.Tensor] | None:

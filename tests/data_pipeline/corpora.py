@@ -6,9 +6,11 @@ from __future__ import annotations
 import gzip
 import json
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -138,8 +140,49 @@ def read_documents(src, split=None, validation_fraction=0.0):
     from data_pipeline.stream import DocumentReader, StreamSettings
 
     settings = StreamSettings(window=2, split=split, validation_fraction=validation_fraction)
-    reader = DocumentReader(src, src.units(), settings)
-    return [doc for doc, *_ in reader.documents()], reader.counts
+    reader = DocumentReader(src, settings)
+    return [doc for doc, *_ in reader.documents(src.units())], reader.counts
+
+
+def heavy_tailed_rows(n: int, median: int, giants: int, giant_chars: int, seed: int = 0):
+    """n FineWeb-Edu rows of real prose whose lengths vary like web text: lognormal
+    characters around `median` (sigma 1: a tenth of them over 3.6x the median, some over
+    10x), and `giants` rows of `giant_chars` each."""
+    rng = np.random.default_rng(seed)
+    prose = "\n\n".join(doc.text for doc in embedded_documents())
+    lengths = np.maximum(rng.lognormal(np.log(median), 1.0, n), 20).astype(int)
+    lengths[rng.choice(n, giants, replace=False)] = giant_chars
+    rows, start = [], 0
+    for i, length in enumerate(lengths):
+        start = (start + 7919 * (i + 1)) % (len(prose) - length)
+        row = fineweb_rows(1, offset=i)[0]
+        row["text"] = f"{prose[start : start + length]} [{i}]"
+        rows.append(row)
+    return rows
+
+
+def write_parquet(path: Path, rows: list[dict], row_group_size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(rows, schema=FINEWEB_SCHEMA)
+    pq.write_table(table, path, row_group_size=row_group_size)
+
+
+def stream_documents(steps: list, origins: list) -> Counter:
+    """The documents a run's windows hold: each stream's windows in order (by their
+    origins: source, epoch, stream, step, offset), cut after every EOS; asserts every
+    stream's windows end with a document."""
+    streams: dict = {}
+    for step_windows, step_origins in zip(steps, origins, strict=True):
+        for window, origin in zip(step_windows, step_origins, strict=True):
+            if window:
+                streams.setdefault(origin[:3], []).append((origin[3:], window))
+    documents = Counter()
+    for pieces in streams.values():
+        tokens = [t for _, window in sorted(pieces) for t in window]
+        complete, rest = split_after_eos(tokens)
+        assert rest == []
+        documents.update(complete)
+    return documents
 
 
 EOS = 2
@@ -173,3 +216,19 @@ def step_windows(batches) -> list[list[int]]:
 def take(data, steps):
     """`steps` training steps of a TrainData, each a list of its windows' tokens."""
     return [step_windows(data.next_step()) for _ in range(steps)]
+
+
+def step_origins(data) -> list:
+    """Where the last step's windows of a TrainData came from, in slot order."""
+    return [o for reader in data.slots.mine for o in data.origins[reader]]
+
+
+def states_equal(a, b) -> bool:
+    """Nested data states equal (numpy arrays compared by value)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b

@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from corpora import step_windows
+from corpora import step_origins, step_windows
 
 from data_pipeline.build import build_train_data
 from data_pipeline.loader import Collective
@@ -18,6 +18,8 @@ class Ranks:
 
     def __init__(self, n: int):
         self.n, self.barrier, self.values = n, threading.Barrier(n), [None] * n
+        self.origins: list = []
+        """Per step run, where its windows came from (corpora.stream_documents)."""
 
     def _exchange(self, rank: int, value):
         self.values[rank] = value
@@ -54,7 +56,8 @@ class Ranks:
             data.start()
         with ThreadPoolExecutor(self.n) as pool:
             per_rank = list(pool.map(lambda data: _steps(data, k), datas))
-        return [[w for rank in per_rank for w in rank[step]] for step in range(k)]
+        self.origins += [[o for rank in per_rank for o in rank[step][1]] for step in range(k)]
+        return [[w for rank in per_rank for w in rank[step][0]] for step in range(k)]
 
     def epoch(self, datas: list) -> list[list[list[int]]]:
         """The global batches up to the end of source 0's current epoch (the step at which
@@ -66,8 +69,8 @@ class Ranks:
 
 
 def resumed(n: int, state: dict, k: int, data, tokenizer, *shape: int) -> list:
-    """k global batches of `n` ranks continuing from a data state (merge_states of
-    another layout's ranks); `shape`: seq_len, global batch, micro-batch."""
+    """k global batches of `n` ranks continuing from a data state (any rank's, of any
+    layout); `shape`: seq_len, global batch, micro-batch."""
     ranks = Ranks(n)
     datas = ranks.build(data, tokenizer, *shape)
     for part in datas:
@@ -75,5 +78,5 @@ def resumed(n: int, state: dict, k: int, data, tokenizer, *shape: int) -> list:
     return ranks.steps(datas, k)
 
 
-def _steps(data, k: int) -> list[list[list[int]]]:
-    return [step_windows(data.next_step()) for _ in range(k)]
+def _steps(data, k: int) -> list[tuple[list, list]]:
+    return [(step_windows(data.next_step()), step_origins(data)) for _ in range(k)]

@@ -6,6 +6,7 @@ import gzip
 import json
 import logging
 import lzma
+import re
 import socket
 
 import pyarrow as pa
@@ -22,7 +23,7 @@ from corpora import (
     write_openwebtext_jsonl,
 )
 
-from data_pipeline.build import build_train_data, tokenizer_sample
+from data_pipeline.build import build_train_data
 from data_pipeline.config import DataConfig
 from data_pipeline.sources import DataFault, Source, failure_kind
 from data_pipeline.stream import skip_problem
@@ -85,7 +86,8 @@ def test_a_vanished_file_stops_the_run_naming_it(tmp_path, embedded_tokenizer):
     with pytest.raises(DataFault, match=rf"\*\.parquet: cannot read \S+/{where}"):
         for _ in range(200):
             take(batches, 1)
-    assert batches.state_dict()["step"] >= state["step"]  # nothing of the failed step kept
+    # nothing of the failed step kept
+    assert batches.state_dict()["schedule"]["step"] >= state["schedule"]["step"]
 
 
 def raised(action) -> BaseException:
@@ -250,39 +252,97 @@ def test_a_consistently_bad_source_stops(tmp_path, embedded_tokenizer):
     bad_jsonl(tmp_path / "a.jsonl", 4000, lambda i: i % 20 == 0)  # 5%
     data = DataConfig(sources=[str(tmp_path / "a.jsonl")], num_workers=0, validation_fraction=0)
     batches = build_train_data(data, embedded_tokenizer, 32, 4, 4, 0, 1, CPU)
-    with pytest.raises(DataFault, match=r"a\.jsonl: \d+ of \d+ rows unusable \(empty \d+\), more"):
+    pattern = (
+        r"a\.jsonl: \d+ of \d+ rows unusable \(empty \d+\) in (\d+) of (\d+) units read, more "
+        r"than data.max_skipped_fraction=0.01; the first at \S+a\.jsonl byte \d+$"
+    )
+    with pytest.raises(DataFault, match=pattern) as fault:
         for _ in range(2000):
             take(batches, 1)
+    bad, read = re.search(pattern, str(fault.value)).groups()
+    assert bad == read  # bad throughout: in every unit
     stats = batches.stats()
     assert stats["data/0/epoch"] == 0 and stats["data/0/rows"] < 4000  # long before the end
 
 
-def test_the_skip_rule():
-    def problem(skipped, rows, whole=False):
-        return skip_problem("x", {"rows": rows, "empty": skipped}, 0.01, 1000, whole)
+def test_one_broken_shard_of_a_clean_corpus_is_skipped_and_counted(tmp_path, embedded_tokenizer):
+    """16 .jsonl.gz shards, 30 bad rows at the start of one (0.375% of the corpus, 50% of
+    that shard's first unit): the run reads the whole epoch, counting them; the same 30
+    bad rows judged as if independent would have stopped it early."""
+    for shard in range(16):
+        bad_jsonl(tmp_path / f"{shard:02d}.jsonl.gz", 500, lambda i, s=shard: s == 3 and i < 30)
+    data = DataConfig(
+        sources=[f"{tmp_path}/*.jsonl.gz"], num_workers=1, validation_fraction=0, seed=2
+    )
+    stats = one_epoch(data, embedded_tokenizer)
+    assert stats["data/0/rows"] == 8000 and stats["data/0/empty"] == 30
+    # as the run met it: 1028 rows read in 8 units, one with all 30 bad rows
+    met = counts_of([(128, 30)] + [(128, 0)] * 7)
+    assert skip_problem("x", met, 0.01, 1000) is None  # judged as a cluster: read on
+    share = 30 / 1028  # judged as independent rows, they would have stopped it:
+    assert share - 3 * (share * (1 - share) / 1028) ** 0.5 > 0.01
 
-    assert problem(4, 151) is None  # too few rows to judge
-    assert problem(12, 1000) is None  # 1.2% but not surely above 1%
-    assert problem(50, 1000)  # 5%: surely above
-    assert problem(12, 1000, whole=True)  # the exact share of a whole source
-    assert problem(10, 1000, whole=True) is None  # exactly the limit is allowed
+
+def counts_of(units: list[tuple[int, int]]) -> dict:
+    """Counts as streams report them, for units of (rows, unusable rows), all finished."""
+    return {
+        "rows": sum(r for r, _ in units), "empty": sum(b for _, b in units),
+        "units": len(units), "unit_rows": sum(r for r, _ in units),
+        "unit_bad": sum(b for _, b in units), "unit_bad2": sum(b * b for _, b in units),
+        "unit_rows2": sum(r * r for r, _ in units), "unit_rows_bad": sum(r * b for r, b in units),
+        "bad_units": sum(b > 0 for _, b in units),
+    }  # fmt: skip
+
+
+def test_the_skip_rule():
+    def problem(units, whole=False):
+        return skip_problem("x", counts_of(units), 0.01, 1000, whole)
+
+    assert problem([(150, 4)]) is None  # too few rows to judge
+    assert problem([(200, 2)] * 4) is None  # too few units to judge
+    assert problem([(125, 2)] * 7 + [(125, 1)]) is None  # 1.5%, but not surely above 1%
+    assert problem([(125, 6)] * 8)  # 5% in every unit: surely above
+    assert problem([(125, 50)] + [(125, 0)] * 7) is None  # 5%, all of it in one unit
+    assert problem([(125, 50)] * 2 + [(125, 0)] * 30) is None  # 2 units of 32: maybe a cluster
+    assert problem([(125, 12)] * 30 + [(125, 0)] * 66)  # a third of 96 units at 10%: stops
+    assert problem([(1000, 12)], whole=True)  # the exact share of a whole source
+    assert problem([(1000, 10)], whole=True) is None  # exactly the limit is allowed
 
 
 @pytest.mark.parametrize(
     ("name", "content", "message"),
     [
-        ("empty.txt", b"", "empty.txt: 1 of 1 rows unusable (empty 1)"),
-        ("binary.txt", bytes(range(256)) * 4, "binary.txt: 1 of 1 rows unusable (not_utf8 1)"),
-        ("empty.jsonl", b"", "empty.jsonl: no rows (the file is empty)"),
+        ("empty.txt", b"", "empty.txt: no rows (the source is empty)"),
+        ("binary.txt", bytes(range(256)) * 4, "no usable train document in any of its 1 rows"),
+        ("utf16.txt", "a document in UTF-16".encode("utf-16"), "any of its 1 rows (not_utf8 1)"),
+        ("empty.jsonl", b"", "empty.jsonl: no rows (the source is empty)"),
+        ("blank.jsonl", b'{"text": "  "}\n' * 160, "in any of its 160 rows (empty 160)"),
         ("bad.jsonl", b"{oops\n[1]\n" * 3, "none of its first 6 rows is a JSON object"),
     ],
-)
-def test_start_up_data_errors_are_one_clear_line(tmp_path, name, content, message):
+)  # fmt: skip
+def test_start_up_data_errors_are_one_clear_line(tmp_path, caplog, name, content, message):
     from data_pipeline.build import check_data
 
     (tmp_path / name).write_bytes(content)
-    data = DataConfig(sources=[str(tmp_path / name)])
-    with pytest.raises(ValueError) as err:
+    for tokenizer in (None, str(tmp_path / "given.model")):  # with a tokenizer or without
+        data = DataConfig(sources=[str(tmp_path / name)], tokenizer={"path": tokenizer})
+        with pytest.raises(ValueError) as err, caplog.at_level(logging.WARNING):
+            check_data(data)
+        assert message in str(err.value) and str(err.value).startswith("data.sources.0")
+        assert "\n" not in str(err.value) and not caplog.records  # one line, nothing logged
+
+
+def test_a_file_without_rows_is_skipped_unless_it_is_the_only_one(tmp_path, caplog):
+    from data_pipeline.build import check_data
+
+    pq.write_table(pa.Table.from_pylist([], schema=FINEWEB_SCHEMA), tmp_path / "0.parquet")
+    alone = DataConfig(sources=[str(tmp_path / "0.parquet")])
+    with pytest.raises(ValueError, match=r"^data\.sources\.0\.uri: \S+0\.parquet: no rows"):
+        check_data(alone)
+    three_row_groups(tmp_path / "1.parquet")
+    data = DataConfig(sources=[f"{tmp_path}/*.parquet"])
+    with caplog.at_level(logging.WARNING):
         check_data(data)
-        list(tokenizer_sample(data, progress=False))
-    assert message in str(err.value) and str(err.value).startswith("data.sources.0")
+    assert f"{tmp_path / '0.parquet'} has no rows; skipped" in caplog.text
+    units = Source(data.sources[0]).units(8)
+    assert {u.file for u in units} == {1} and sum(u.stop - u.start for u in units) == 30

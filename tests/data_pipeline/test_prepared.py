@@ -12,7 +12,6 @@ from ranks import Ranks, resumed
 from data_pipeline.build import build_tokenizer, build_train_data
 from data_pipeline.config import DataConfig
 from data_pipeline.documents import split_of
-from data_pipeline.loader import merge_states
 from data_pipeline.prepared import prepare
 from data_pipeline.tokenizer import train_tokenizer
 
@@ -83,7 +82,7 @@ def test_training_blends_prepared_and_streaming_sources_and_resumes(
     two = Ranks(2)
     first = build(two, 0)
     assert two.steps(first, 13) == reference[:13]
-    state = merge_states([d.state_dict() for d in first])
+    state = first[1].state_dict()
     without_workers = data.model_copy(update={"num_workers": 0})
     assert resumed(4, state, 27, without_workers, embedded_tokenizer, 32, 8, 2) == reference[13:]
     counts = first[0].stats()
@@ -93,9 +92,9 @@ def test_training_blends_prepared_and_streaming_sources_and_resumes(
 def test_a_prepared_state_continues_at_another_data_parallel_size_across_epochs(
     prepared, embedded_tokenizer
 ):
-    """Prepared data alone, 8 readers: 2 ranks stopped in the epoch's last step (readers
-    with a sample fewer done), then 1 rank and 4 ranks from the merged state give exactly
-    the global batches of an uninterrupted single rank, into the next epoch (reshuffled)."""
+    """Prepared data alone, 8 readers: 2 ranks stopped in the epoch's last step, then 1
+    rank and 4 ranks from the saved state give exactly the global batches of an
+    uninterrupted single rank, into the next epoch (reshuffled)."""
     out, _, _ = prepared
     data = DataConfig(sources=[f"prepared:{out}"], num_workers=0, seed=4)
     single = Ranks(1)
@@ -106,8 +105,8 @@ def test_a_prepared_state_continues_at_another_data_parallel_size_across_epochs(
     two = Ranks(2)
     first = two.build(data, embedded_tokenizer, 32, global_batch=8, micro=2)
     assert two.steps(first, stop) == reference[:stop]
-    state = merge_states([d.state_dict() for d in first])
-    assert any(state["finished"].values()) and not all(state["finished"].values())
+    state = first[0].state_dict()
+    assert state["schedule"]["sources"][0]["epoch"] == 0
     for n in (1, 4):
         continued = resumed(n, state, 6, data, embedded_tokenizer, 32, 8, 2)
         assert continued == reference[stop:], f"continued on {n} rank(s)"

@@ -1,6 +1,7 @@
-"""The training stream: global epochs (every document once, whatever the row groups),
-positions that continue exactly at any data-parallel size and worker count, mixtures,
-padding, the validation split, and what a state may be loaded into."""
+"""The training stream: global epochs (every document once, whatever the row groups or the
+documents' lengths), padding only at an epoch's end, positions that continue exactly at
+any data-parallel size and worker count, mixtures, the validation split, and what a state
+may be loaded into."""
 
 import json
 from collections import Counter
@@ -13,22 +14,25 @@ import torch
 from corpora import (
     EOS,
     fineweb_rows,
+    heavy_tailed_rows,
     one_row_group_files,
     read_documents,
     source,
     split_after_eos,
+    states_equal,
     step_windows,
+    stream_documents,
     take,
     write_fineweb,
     write_openwebtext_jsonl,
+    write_parquet,
 )
 from ranks import Ranks, resumed
 
 from data_pipeline.build import build_train_data, build_validation_data
 from data_pipeline.config import DataConfig
-from data_pipeline.documents import split_of
-from data_pipeline.loader import merge_states
-from data_pipeline.stream import epoch_shares, slot_source
+from data_pipeline.documents import split_of, text_id
+from data_pipeline.stream import slot_source
 
 CPU = torch.device("cpu")
 SEQ = 32
@@ -39,23 +43,10 @@ def expected_documents(tokenizer, rows, fraction) -> Counter:
     return Counter(tuple(ids) for ids in tokenizer.encode_batch(train, add_eos=True))
 
 
-def reader_windows(global_batches: list, readers: int, per_reader: int) -> list[list]:
-    """Each logical reader's windows in order (slots are reader-major within a step)."""
-    out = [[] for _ in range(readers)]
-    for batch in global_batches:
-        for r in range(readers):
-            out[r] += batch[r * per_reader : (r + 1) * per_reader]
-    return out
-
-
-def delivered(global_batches: list, readers: int) -> Counter:
-    """Every reader's complete documents; each reader's windows end at a document's end."""
-    documents = Counter()
-    for windows in reader_windows(global_batches, readers, 1):
-        complete, rest = split_after_eos([t for w in windows for t in w])
-        assert rest == []  # only a reader's final window of an epoch may be short
-        documents.update(complete)
-    return documents
+def padding(steps: list, seq_len: int) -> float:
+    """The share of the steps' label slots without a token (a window of n tokens has n - 1)."""
+    slots = sum(len(step) for step in steps) * seq_len
+    return 1 - sum(max(len(w) - 1, 0) for step in steps for w in step) / slots
 
 
 def test_one_epoch_delivers_every_document_once_whatever_the_row_groups(
@@ -76,34 +67,113 @@ def test_one_epoch_delivers_every_document_once_whatever_the_row_groups(
     expected = expected_documents(embedded_tokenizer, rows, 0.1)
     assert len(expected) > 1000
     epoch0 = ranks.epoch(datas)
-    assert delivered(epoch0, 8) == expected  # every training document, each exactly once
+    assert stream_documents(epoch0, ranks.origins) == expected  # each exactly once
     stats = datas[0].stats()
     assert stats["data/0/held_out"] + stats["data/0/documents"] == stats["data/0/rows"] == len(rows)
-    padding = sum(not w for batch in epoch0 for w in batch)
-    assert padding < 0.1 * 8 * len(epoch0), padding  # shares are balanced by size
-    assert delivered(ranks.epoch(datas), 8) == expected
+    assert padding(epoch0[: len(epoch0) * 4 // 5], SEQ) == 0  # padding only in the tail
+    assert padding(epoch0, SEQ) <= 0.02
+    epoch1 = ranks.epoch(datas)
+    assert stream_documents(epoch1, ranks.origins[-len(epoch1) :]) == expected
     for d in datas:
         d.close()
 
 
-def test_shares_are_balanced_by_size_and_cover_every_unit():
-    from data_pipeline.sources import Unit
-
-    units = [Unit(0, g, 0, n, n) for g, n in enumerate([1, 7, 256, 1000, 30, 30, 31])]
-    for epoch in range(3):
-        shares = epoch_shares(units, 4, seed=5, epoch=epoch)
-        assert sorted(i for share in shares for i in share) == list(range(len(units)))
-    assert epoch_shares(units, 4, 5, 0) != epoch_shares(units, 4, 5, 1)  # reshuffled
+HEAVY_TAILED = {"files": 3, "rows": 1500, "median": 600, "giants": 3, "giant_chars": 40_000}
+"""A corpus whose lengths vary like web text, with three documents each longer than the
+share of one of 64 readers (about 10K tokens of 400K)."""
 
 
-@pytest.mark.parametrize(("stop", "tail"), [(3, False), (29, True)])
-def test_a_state_continues_exactly_at_another_data_parallel_size(
-    tmp_path, embedded_tokenizer, stop, tail
+@pytest.fixture(scope="module")
+def heavy_tailed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heavy")
+    spec = HEAVY_TAILED
+    rows = heavy_tailed_rows(spec["rows"], spec["median"], spec["giants"], spec["giant_chars"])
+    per_file = len(rows) // spec["files"]
+    for f in range(spec["files"]):
+        write_parquet(root / f"{f:03d}.parquet", rows[f * per_file : (f + 1) * per_file], 100)
+    data = DataConfig(
+        sources=[{"uri": f"{root}/*.parquet", "id_column": "id"}], validation_fraction=0.05,
+        num_workers=2, seed=11,
+    )  # fmt: skip
+    return data, rows
+
+
+@pytest.mark.parametrize(
+    ("readers", "per_reader", "seq", "ranks"),
+    [(4, 1, 128, 1), (16, 2, 64, 2), (64, 1, 32, 1), (64, 1, 32, 2)],
+)
+def test_heavy_tailed_documents_take_one_epoch_with_padding_only_at_its_end(
+    heavy_tailed, embedded_tokenizer, readers, per_reader, seq, ranks
 ):
-    """8 readers: 2 ranks to step `stop` (29: in the epoch's tail, some readers done and
-    padding), then 1 rank and 4 ranks from the merged state give exactly the global
-    batches of an uninterrupted single rank, across the epoch boundary (step 34); its
-    epoch holds every training document once."""
+    """Real length distributions (lognormal, giants longer than a reader's share), 2 loader
+    workers per rank: one epoch holds every training document exactly once; until the
+    epoch's units are all dealt out every window is full, after it streams' last windows
+    are short, slots without any token are one in a thousand before the last 3 steps, and
+    padding is at most 2% of the epoch's label slots."""
+    data, rows = heavy_tailed
+    data = data.model_copy(update={"readers": readers})
+    group = Ranks(ranks)
+    datas = group.build(data, embedded_tokenizer, seq, readers * per_reader, readers * per_reader)
+    epoch, dealt = [], []
+    while not epoch or datas[0].stats()["data/0/epoch"] == 0:
+        epoch += group.steps(datas, 1)
+        deal = datas[0].schedule.deals[0]
+        dealt.append(deal.epoch > 0 or deal.handed == len(deal.order))
+    assert stream_documents(epoch, group.origins) == expected_documents(
+        embedded_tokenizer, rows, 0.05
+    )
+    tail = dealt.index(True) + 1  # the first step after the queue emptied
+    assert padding(epoch[:tail], seq) == 0
+    empty = sum(not w for step in epoch[:-3] for w in step)
+    assert empty <= 0.001 * len(epoch) * readers * per_reader, empty
+    assert padding(epoch, seq) <= 0.02, padding(epoch, seq)
+    assert len(epoch) > 150  # enough steps that 2% is a test of the tail, not of one step
+    for d in datas:
+        d.close()
+
+
+def test_a_small_source_turns_many_epochs_inside_a_large_ones(
+    tmp_path, heavy_tailed, embedded_tokenizer
+):
+    """A 1:1 mixture of the heavy-tailed corpus and 400 short documents (an epoch of about
+    50 steps): every epoch of the small source delivers its documents once; the mixture's
+    padding stays under 2%."""
+    data, _ = heavy_tailed
+    small = [f"short document {i} " * (3 + i % 7) for i in range(400)]
+    write_openwebtext_jsonl(
+        tmp_path / "small.jsonl", [json.dumps({"text": t}).encode() for t in small]
+    )
+    sources = [*data.model_dump()["sources"], str(tmp_path / "small.jsonl")]
+    mixture = DataConfig.model_validate(data.model_dump() | {"sources": sources, "readers": 8})
+    group = Ranks(1)
+    datas = group.build(mixture, embedded_tokenizer, SEQ, 16, 16)
+    steps = group.steps(datas, 200)
+    epochs = datas[0].stats()["data/1/epoch"]
+    assert epochs >= 3
+    by_epoch = {}
+    for step, origins in zip(steps, group.origins, strict=True):
+        for window, origin in zip(step, origins, strict=True):
+            if origin[0] == 1 and origin[1] < epochs:  # the small source's complete epochs
+                by_epoch.setdefault(origin[1], ([], []))
+                by_epoch[origin[1]][0].append([window])
+                by_epoch[origin[1]][1].append([origin])
+    expected = expected_documents(
+        embedded_tokenizer, [{"id": text_id(t), "text": t} for t in small], 0.05
+    )
+    for epoch, (windows, origins) in by_epoch.items():
+        assert stream_documents(windows, origins) == expected, epoch
+    assert padding(steps, SEQ) <= 0.02
+    datas[0].close()
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_a_state_continues_exactly_at_another_data_parallel_size(
+    tmp_path, embedded_tokenizer, tail
+):
+    """8 readers: 2 ranks to a step in the bulk of the epoch, or in its tail (readers
+    serving other readers' streams), then 1 rank and 4 ranks from the saved state give
+    exactly the global batches of an uninterrupted single rank, across the epoch boundary;
+    its epoch holds every training document once."""
     rows = write_fineweb(tmp_path / "fw", files=4, rows_per_file=20, row_group_size=7, chars=400)
     data = DataConfig(
         sources=[{"uri": f"{tmp_path}/fw/sample/10BT/*.parquet", "id_column": "id"}],
@@ -111,16 +181,56 @@ def test_a_state_continues_exactly_at_another_data_parallel_size(
     )  # fmt: skip
     single = Ranks(1)
     datas = single.build(data, embedded_tokenizer, SEQ, global_batch=8, micro=2)
-    reference = single.epoch(datas)
-    assert delivered(reference, 8) == expected_documents(embedded_tokenizer, rows, 0.1)
+    reference, joined = [], None
+    while not reference or datas[0].stats()["data/0/epoch"] == 0:
+        reference += single.steps(datas, 1)
+        follow = datas[0].schedule.deals[0].follow
+        if joined is None and (follow != np.arange(8)).any():
+            joined = len(reference)  # the first step whose schedule has readers joined
+    assert joined is not None and joined < len(reference) - 1
+    assert stream_documents(reference, single.origins) == expected_documents(
+        embedded_tokenizer, rows, 0.1
+    )
     reference += single.steps(datas, 6)  # into the next epoch
+    stop = joined if tail else 3
     two = Ranks(2)
     first = two.build(data, embedded_tokenizer, SEQ, global_batch=8, micro=2)
     assert two.steps(first, stop) == reference[:stop]
-    state = merge_states([d.state_dict() for d in first])
-    assert any(state["finished"].values()) == tail and list(state["epochs"]) == [0]
+    state = first[1].state_dict()
+    assert states_equal(state, first[0].state_dict())  # every rank holds the whole state
+    assert (state["schedule"]["sources"][0]["follow"] != np.arange(8)).any() == tail
     for n in (1, 4):
         continued = resumed(n, state, len(reference) - stop, data, embedded_tokenizer, SEQ, 8, 2)
+        assert continued == reference[stop:], f"continued on {n} rank(s)"
+
+
+def test_heavy_tailed_data_continues_exactly_on_two_one_and_four_ranks(
+    heavy_tailed, embedded_tokenizer
+):
+    """64 readers on the heavy-tailed corpus: 2 ranks (2 workers each) stopped in the
+    epoch's tail continue on 1 rank (no workers) and on 4 ranks (1 worker each) with
+    exactly the global batches of an uninterrupted single rank, into the next epoch."""
+    data, _ = heavy_tailed
+    data = data.model_copy(update={"readers": 64, "num_workers": 0})
+    single = Ranks(1)
+    datas = single.build(data, embedded_tokenizer, SEQ, 64, 64)
+    reference = []
+    while not reference or datas[0].schedule.deals[0].follow.tolist() == list(range(64)):
+        reference += single.steps(datas, 1)
+    stop = len(reference) + 3  # three steps into the tail's joins
+    while datas[0].stats()["data/0/epoch"] == 0:
+        reference += single.steps(datas, 1)
+    reference += single.steps(datas, 3)
+    two = Ranks(2)
+    first = two.build(data.model_copy(update={"num_workers": 2}), embedded_tokenizer, SEQ, 64, 64)
+    assert two.steps(first, stop) == reference[:stop]
+    state = first[0].state_dict()
+    for part in first:
+        part.close()
+    for n, workers in ((1, 0), (4, 1)):
+        resumed_data = data.model_copy(update={"num_workers": workers})
+        continued = resumed(n, state, len(reference) - stop, resumed_data, embedded_tokenizer,
+                            SEQ, 64, 64)  # fmt: skip
         assert continued == reference[stop:], f"continued on {n} rank(s)"
 
 
