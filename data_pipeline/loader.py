@@ -48,6 +48,7 @@ from data_pipeline.stream import (
     StreamSettings,
     skip_problem,
     slot_source,
+    slot_sources,
     stream_for,
 )
 
@@ -122,7 +123,7 @@ class ReaderSlots:
     dp_rank: int
     dp_size: int
 
-    @property
+    @functools.cached_property
     def per_reader(self) -> int:
         return self.global_batch // self.readers
 
@@ -184,7 +185,7 @@ class StepMaker:
         block = Block(step, {r: [] for r in self.readers}, {r: [] for r in self.readers},
                       [{} for _ in self.sources], [Counter() for _ in self.sources],
                       [None] * len(self.sources))  # fmt: skip
-        slots = {r: self._slot_sources(step, r) for r in self.readers}
+        slots = self._slot_sources(step, self.readers)
         used = set()
         for s, deal in enumerate(self.schedule.deals):
             groups = deal.groups(self.readers)
@@ -214,9 +215,10 @@ class StepMaker:
         epoch, stream = self.streams[(s, h)]
         counts_before = stream.counts()
         offset = 0
+        if any(int(m) not in slots for m in members):
+            slots = {**slots, **self._slot_sources(step, [int(m) for m in members])}
         for member in (int(m) for m in members):
-            sources = slots[member] if member in slots else self._slot_sources(step, member)
-            for i in (i for i, source in enumerate(sources) if source == s):
+            for i in (i for i, source in enumerate(slots[member]) if source == s):
                 window = stream.next_window()
                 if member in block.windows:
                     block.windows[member].append((i, window))
@@ -237,8 +239,15 @@ class StepMaker:
         if stream.first_bad and not self.first_bad[s]:
             self.first_bad[s] = block.first_bad[s] = stream.first_bad
 
-    def _slot_sources(self, step: int, reader: int) -> list[int]:
-        return [slot_source(slot, self.weights) for slot in self.slots.slots(step, reader)]
+    def _slot_sources(self, step: int, readers: Sequence[int]) -> dict[int, list[int]]:
+        """The source of each slot of `readers` in step `step`."""
+        per_reader = self.slots.per_reader
+        if len(self.weights) == 1:
+            return dict.fromkeys(readers, [0] * per_reader)
+        first = np.array([self.slots.slots(step, r).start for r in readers])
+        slots = (first[:, None] + np.arange(per_reader)).ravel()
+        sources = slot_sources(slots, self.weights).reshape(len(readers), per_reader).tolist()
+        return dict(zip(readers, sources, strict=True))
 
     def _unit_at(self, s: int, h: int, k: int) -> int | None:
         """Unit k of stream h's list, as the schedule of the step being made has it."""
@@ -499,20 +508,17 @@ class TrainData:
     def _micro_batches(self, windows: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Windows (None: padding) -> micro-batches of (tokens, labels), padded windows
         masked with IGNORE labels."""
-        size = self.settings.window
-        tokens = np.zeros((len(windows), size), dtype=np.int64)
-        labels = np.full((len(windows), size), IGNORE, dtype=np.int64)
+        seq_len = self.settings.window - 1
+        inputs = np.zeros((len(windows), seq_len), dtype=np.int64)
+        labels = np.full((len(windows), seq_len), IGNORE, dtype=np.int64)
         for i, window in enumerate(windows):
-            if window is not None and len(window):
-                tokens[i, : len(window)] = window
-                labels[i, : len(window)] = window
-        inputs = torch.from_numpy(tokens[:, :-1])
-        targets = torch.from_numpy(labels[:, 1:].copy())
+            if window is not None and len(window) > 1:
+                inputs[i, : len(window) - 1] = window[:-1]
+                labels[i, : len(window) - 1] = window[1:]
         out = []
         for start in range(0, len(windows), self.micro):
-            part = slice(start, start + self.micro)
-            pair = (inputs[part].contiguous(), targets[part].contiguous())
-            out.append(tuple(x.to(self.device, non_blocking=True) for x in pair))
+            pair = (inputs[start : start + self.micro], labels[start : start + self.micro])
+            out.append(tuple(torch.from_numpy(x).to(self.device, non_blocking=True) for x in pair))
         return out
 
     # workers --------------------------------------------------------------------------

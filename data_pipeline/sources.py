@@ -366,7 +366,7 @@ class Source:
             return
         path = self.files()[unit.file]
         if self.file_format == "parquet":
-            yield from _parquet_rows(path, unit, self.columns, skip)
+            yield from _parquet_rows(path, self._meta(path), unit, self.columns, skip)
         else:
             rows = _line_rows(path, unit, self.file_format, self.cfg.text_unit)
             yield from itertools.islice(rows, skip, None)
@@ -417,21 +417,23 @@ def _cut_by_row_sizes(unit: Unit, row_sizes: Sequence[int], limit: int) -> list[
     return out
 
 
-def _parquet_rows(path: str, unit: Unit, columns: list[str], skip: int) -> Iterator:
+def _parquet_rows(
+    path: str, metadata: pq.FileMetaData, unit: Unit, columns: list[str], skip: int
+) -> Iterator:
     """Rows [unit.start + skip, unit.stop) of one row group, decoded PARQUET_BATCH at a time
     (rows before the range are decoded and dropped: parquet cannot seek to a row); a part
-    of a row group from the group decoded once (PART_CACHE_BYTES)."""
+    of a row group from the group decoded once (PART_CACHE_BYTES). The file's footer is
+    `metadata`, read once per source: it is not parsed again for every unit."""
     first, position = unit.start + skip, 0
-    parquet = _parquet_file(path)
-    group = parquet.metadata.row_group(unit.group)
+    group = metadata.row_group(unit.group)
     if unit.stop - unit.start < group.num_rows and group.total_byte_size <= PART_CACHE_BYTES:
-        table = _decoded_group(path, parquet, unit.group, tuple(columns))
+        table = _decoded_group(path, metadata, unit.group, tuple(columns))
         for start in range(first, unit.stop, PARQUET_BATCH):
             rows = table.slice(start, min(PARQUET_BATCH, unit.stop - start)).to_pylist()
             for index, row in enumerate(rows, start):
                 yield row, f"{path} row group {unit.group} row {index}"
         return
-    batches = parquet.iter_batches(
+    batches = _parquet_file(path, metadata).iter_batches(
         batch_size=PARQUET_BATCH, row_groups=[unit.group], columns=columns
     )
     for batch in batches:
@@ -453,10 +455,11 @@ _PARTS_BYTES = [0]
 """Bytes the tables in _PARTS hold (kept with it: summing them per access is O(cache))."""
 
 
-def _decoded_group(path: str, parquet: pq.ParquetFile, group: int, columns: tuple) -> pa.Table:
+def _decoded_group(path: str, metadata: pq.FileMetaData, group: int, columns: tuple) -> pa.Table:
     key = (path, group, columns)
     if key not in _PARTS:
-        _PARTS[key] = table = parquet.read_row_group(group, columns=list(columns))
+        table = _parquet_file(path, metadata).read_row_group(group, columns=list(columns))
+        _PARTS[key] = table
         _PARTS_BYTES[0] += table.nbytes
         while len(_PARTS) > 1 and _PARTS_BYTES[0] > PART_CACHE_BYTES:
             _PARTS_BYTES[0] -= _PARTS.popitem(last=False)[1].nbytes
@@ -464,8 +467,8 @@ def _decoded_group(path: str, parquet: pq.ParquetFile, group: int, columns: tupl
     return _PARTS[key]
 
 
-def _parquet_file(path: str) -> pq.ParquetFile:
-    return pq.ParquetFile(fsspec.open(path, "rb").open())
+def _parquet_file(path: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
+    return pq.ParquetFile(fsspec.open(path, "rb").open(), metadata=metadata)
 
 
 def _retry(action, path: str):

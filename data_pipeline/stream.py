@@ -42,7 +42,11 @@ from data_pipeline.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 READ_BATCH = 32
-"""Documents tokenized at a time (one sentencepiece call)."""
+"""Documents tokenized at a time (one sentencepiece call), at most."""
+READ_CHARS_PER_TOKEN = 16
+"""A stream stops a batch short of READ_BATCH documents once it holds this many characters
+per token of a window (about four windows of English): a run with thousands of streams
+must not tokenize far ahead of its first step."""
 LOGGED_SKIPS = 10
 """Skipped rows logged one by one per source and process; later ones every 1000th."""
 STUCK_ROWS = 10_000
@@ -398,8 +402,8 @@ class SourceStream:
 
     def _read(self) -> bool:
         """Read and tokenize up to READ_BATCH more documents; False if there were none."""
-        batch = []
-        while len(batch) < READ_BATCH:
+        batch, chars = [], 0
+        while len(batch) < READ_BATCH and chars < READ_CHARS_PER_TOKEN * self.settings.window:
             if self.documents is None:
                 unit = self.unit_at(self.reading)
                 if unit is None:
@@ -411,6 +415,7 @@ class SourceStream:
                 self.documents, self.reading, self.next_row = None, self.reading + 1, 0
                 continue
             batch.append(item)
+            chars += len(item[0].text)
         if not batch:
             return False
         ids = self.tokenizer.encode_batch(

@@ -48,12 +48,14 @@ def test_run_directory_contents(tmp_path, cache_dir):
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(row)
         assert row["grad_norm"] > 0 and row["tokens_per_s"] > 0
         assert row["tflops_per_device"] > 0 and row["memory_gb"] > 0 and row["data_wait_s"] >= 0
+        assert row["data/padding"] == 0  # steps of the epoch's bulk: every slot a full window
     assert (tmp_path / "tokenizer.model").stat().st_size > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4]
+    assert [e.value for e in events.Scalars("train/data/padding")] == [0, 0]
     assert (
         yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]["attention"]
         == "belief_star"
