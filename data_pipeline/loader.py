@@ -512,8 +512,8 @@ class TrainData:
         inputs = np.zeros((len(windows), seq_len), dtype=np.int64)
         labels = np.full((len(windows), seq_len), IGNORE, dtype=np.int64)
         for i, window in enumerate(windows):
-            if window is not None and len(window) > 1:
-                inputs[i, : len(window) - 1] = window[:-1]
+            if window is not None and len(window):  # (one token: an input, no label)
+                inputs[i, : min(len(window), seq_len)] = window[:seq_len]
                 labels[i, : len(window) - 1] = window[1:]
         out = []
         for start in range(0, len(windows), self.micro):

@@ -9,12 +9,14 @@ slow share: whichever stream runs low takes the next unit, and every unit of the
 read by exactly one stream before any is read again.
 
 When the queue is empty the epoch is in its *tail*: streams run out one by one. A reader
-whose stream has run out then joins a stream that still has work (the one with the most
-estimated work per reader, JOIN_DELAY steps after the queue emptied): the readers of a
-stream share its windows, step by step, in reader order. The tail thus ends within a step
-or two of the same time for every reader, whatever the documents' lengths, and only the
-last step of an epoch is padded. When every stream of a source has run out, its next
-epoch begins at the following step, for every reader alike.
+whose stream has run out then joins a stream that still has work (from JOIN_DELAY steps
+after the queue emptied; the nearest such stream by reader index, and among those the one
+with the most work per reader): the readers of a stream share its windows, step by step,
+in reader order. Streams read their ends ahead in the tail, so that from then on each
+takes exactly as many readers as it has windows left. The tail thus ends within a step of
+the same time for every reader, whatever the documents' lengths: padding is each stream's
+last, short window and the epoch's last step. When every stream of a source has run out,
+its next epoch begins at the following step, for every reader alike.
 
 The schedule changes only at `commit`, once per step, from what the step's streams report
 (their positions after it, and the tallies of the units they finished) summed over the
@@ -183,19 +185,21 @@ class SourceDeal:
             else:
                 used[h] += slots[reader]
                 members[h] += 1
-        heap = [(-remaining[h] / (members[h] + 1), int(h)) for h in np.nonzero(~exhausted)[0]]
-        heapq.heapify(heap)
         for reader in free:
-            while heap and used[heap[0][1]] >= capacity[heap[0][1]]:
-                heapq.heappop(heap)  # no window left for another reader this step
-            if not heap:
+            spare = ~exhausted & (used < capacity)
+            if not spare.any():
                 self.follow[reader] = reader  # nothing to read: its slots are padding
                 continue
-            _, h = heapq.heappop(heap)
+            # the nearest streams first (sharing the longest prefix of reader indices: a
+            # layout's rank or worker holds a contiguous block of readers, so a stream whose
+            # readers are near each other is read by few processes), then the most work
+            candidates = np.nonzero(spare)[0]
+            level = np.floor(np.log2(np.bitwise_xor(candidates, reader) + 1))
+            candidates = candidates[level == level.min()]
+            h = candidates[np.argmax(remaining[candidates] / (members[candidates] + 1))]
             self.follow[reader] = h
             used[h] += slots[reader]
             members[h] += 1
-            heapq.heappush(heap, (-remaining[h] / (members[h] + 1), h))
 
     def commit(
         self,

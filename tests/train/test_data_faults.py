@@ -28,27 +28,33 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize(
-    ("name", "content", "message"),
+    ("name", "content", "message", "no_document"),
     [
-        ("empty.txt", b"", "empty.txt: no rows (the source is empty)"),
-        (
-            "garbage.txt",
-            bytes(range(256)) * 8,
-            "garbage.txt: no usable train document in any of its 1 rows (not_utf8 1)",
-        ),
-        ("empty.jsonl", b"", "empty.jsonl: no rows (the source is empty)"),
-        ("bad.jsonl", b'{"text": \n' * 5, "none of its first 5 rows is a JSON object"),
+        ("empty.txt", b"", "empty.txt: no rows (the source is empty)", False),
+        ("garbage.txt", bytes(range(256)) * 8, "garbage.txt: no usable train document in any "
+         "of its 1 rows (not_utf8 1)", True),
+        ("empty.jsonl", b"", "empty.jsonl: no rows (the source is empty)", False),
+        ("bad.jsonl", b'{"text": \n' * 5, "none of its first 5 rows is a JSON object", False),
+        ("blank.jsonl", b'{"text": "  "}\n' * 160, "in any of its 160 rows (empty 160)", True),
     ],
-)
-def test_bad_sources_at_start_up_are_one_line_and_exit_2(tmp_path, name, content, message):
+)  # fmt: skip
+def test_bad_sources_at_start_up_are_one_line_and_exit_2(
+    tmp_path, small_tokenizer, name, content, message, no_document
+):
+    """One line on stderr, exit 2, nothing written; a source without a usable document
+    also with a tokenizer given (data.tokenizer.path: no sample of the sources is read)."""
     (tmp_path / name).write_bytes(content)
-    done = run_cli(
-        "train", "--config", MICRO, f"data.sources=[{tmp_path / name}]",
-        f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}",
-    )  # fmt: skip
-    assert done.returncode == BAD_INPUT, done.stderr[-3000:]
-    assert message in done.stderr and "Traceback" not in done.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    given_tokenizer = [f"data.tokenizer.path={small_tokenizer.path}"]
+    for given in ([], given_tokenizer) if no_document else ([],):
+        done = run_cli(
+            "train", "--config", MICRO, f"data.sources=[{tmp_path / name}]", *given,
+            f"run.output_dir={tmp_path / 'run'}", f"run.cache_dir={tmp_path / 'cache'}",
+        )  # fmt: skip
+        assert done.returncode == BAD_INPUT, done.stderr[-3000:]
+        lines = [x for x in done.stderr.splitlines() if x.startswith("belief-lm:")]
+        assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr
+        assert "skipped a row" not in done.stderr
+        assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def one_row_in_ten_empty(path):

@@ -1,0 +1,112 @@
+"""What exact epochs cost on realistic document lengths: padding, and tokens read twice.
+
+    python bench/data_padding.py      # -> bench/results/data_padding_cpu.json
+
+One epoch of each case, on 8 data-parallel ranks (4 at 4 readers) without loader workers:
+  heavy-tailed  FineWeb-Edu-schema parquet of real prose with lognormal lengths (median 600
+                characters, sigma 1) and 3 documents of 40,000 characters (each longer than
+                one reader's share at 64 readers and more), 4, 16, 64 and 256 readers;
+  embedded      README command 1's data: the embedded corpus, 16 readers of 128 tokens.
+For each: the epoch's steps, its padding (label slots without a token), the slots
+without any token, the steps after the queue of units emptied (the tail, where readers
+share streams), and the tokens sentencepiece encoded per token delivered in a window
+(readers that join a stream read its step whole, to find their windows in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "data_pipeline"))
+
+import torch
+
+from bench.common import write_result
+from bench.data_scale import TimedTokenizer
+
+RANKS = 8
+"""Data-parallel ranks: readers that share a stream read it once per rank."""
+HEAVY = [(4, 128), (16, 64), (64, 32), (256, 32)]
+"""(readers, seq_len) of the heavy-tailed cases: one window per reader a step."""
+
+
+class CountingTokenizer(TimedTokenizer):
+    """A tokenizer that also counts the tokens its encode_batch returns."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.tokens = 0
+
+    def encode_batch(self, *args, **kwargs):
+        ids = super().encode_batch(*args, **kwargs)
+        self.tokens += sum(len(x) for x in ids)
+        return ids
+
+
+def one_epoch(data, tokenizer, readers: int, seq_len: int) -> dict:
+    """One epoch on RANKS data-parallel ranks (threads of this process, agreeing as the
+    trainer's ranks do), each reading its readers' streams itself."""
+    from ranks import Ranks  # the tests' ranks in threads
+
+    counting = CountingTokenizer(tokenizer)
+    ranks = Ranks(min(RANKS, readers))
+    trains = ranks.build(data, counting, seq_len, readers, readers)
+    steps, labels, empty, tail, started = 0, 0, 0, None, time.perf_counter()
+    while not steps or trains[0].stats()["data/0/epoch"] == 0:
+        for window in ranks.steps(trains, 1)[0]:
+            labels += max(len(window) - 1, 0)
+            empty += not window
+        steps += 1
+        deal = trains[0].schedule.deals[0]
+        if tail is None and (deal.epoch > 0 or deal.handed == len(deal.order)):
+            tail = steps
+    slots = steps * readers
+    return {
+        "readers": readers,
+        "seq_len": seq_len,
+        "steps": steps,
+        "padding_pct": round(100 * (1 - labels / (slots * seq_len)), 3),
+        "empty_slots_pct": round(100 * empty / slots, 3),
+        "tail_steps": steps - tail,
+        # a window of n tokens trains n - 1 labels
+        "encoded_per_delivered_token": round(counting.tokens / (labels + slots - empty), 4),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench/results/data_padding_cpu.json")
+    parser.add_argument("--documents", type=int, default=6000)
+    args = parser.parse_args()
+    from data_pipeline.build import build_tokenizer
+    from data_pipeline.config import DataConfig
+    from corpora import heavy_tailed_rows, write_parquet
+
+    tokenizer = build_tokenizer(DataConfig(), "~/.cache/belief-lm")
+    cases = []
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = heavy_tailed_rows(args.documents, 600, 3, 40_000)
+        for f in range(4):
+            part = rows[f * len(rows) // 4 : (f + 1) * len(rows) // 4]
+            write_parquet(Path(tmp) / f"{f:03d}.parquet", part, 100)
+        for readers, seq_len in HEAVY:
+            data = DataConfig(
+                sources=[{"uri": f"{tmp}/*.parquet", "id_column": "id"}], readers=readers,
+                num_workers=0, validation_fraction=0.05, seed=11,
+            )  # fmt: skip
+            cases.append({"corpus": "heavy-tailed", **one_epoch(data, tokenizer, readers, seq_len)})
+            print(cases[-1], flush=True)
+    cases.append({"corpus": "embedded", **one_epoch(DataConfig(num_workers=0), tokenizer, 16, 128)})
+    print(cases[-1], flush=True)
+    result = {"documents": args.documents, "cases": cases}
+    print(write_result(args.out, result, torch.device("cpu")))
+
+
+if __name__ == "__main__":
+    main()
