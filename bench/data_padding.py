@@ -84,9 +84,10 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/data_padding_cpu.json")
     parser.add_argument("--documents", type=int, default=6000)
     args = parser.parse_args()
+    from corpora import heavy_tailed_rows, write_parquet
+
     from data_pipeline.build import build_tokenizer
     from data_pipeline.config import DataConfig
-    from corpora import heavy_tailed_rows, write_parquet
 
     tokenizer = build_tokenizer(DataConfig(), "~/.cache/belief-lm")
     cases = []

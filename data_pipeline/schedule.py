@@ -31,7 +31,6 @@ data) times the source's tokens per size, measured on the units finished so far.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
