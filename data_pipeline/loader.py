@@ -81,19 +81,23 @@ def _workers_may_stop() -> None:
 
 def worker_init(shutdown, worker_id: int = 0) -> None:
     """DataLoader worker start-up. Stop signals are the trainer's to handle (it finishes
-    its step, saves, then shuts its workers down): a SIGTERM, SIGUSR1 or SIGINT sent to
-    the whole process group (SLURM, scancel, Ctrl-C) must not kill a worker mid-step. A
-    SIGTERM once the trainer is shutting down (`shutdown` set) does end the worker: it is
-    how DataLoader and multiprocessing stop workers. And fsspec's lock may have been held
-    by the parent's event-loop thread when it forked: a fresh one."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    its step, saves, then shuts its workers down): a SIGTERM, SIGUSR1 or SIGINT that
+    reaches a worker is passed on to its trainer, whether it reached the trainer too (the
+    whole process group: SLURM, scancel, Ctrl-C; the trainer takes a repeat as the same
+    request) or this worker alone; the worker itself reads on. A SIGTERM once the trainer
+    is shutting down (`shutdown` set) does end the worker: it is how DataLoader and
+    multiprocessing stop workers. And fsspec's lock may have been held by the parent's
+    event-loop thread when it forked: a fresh one."""
+    trainer = os.getppid()
 
-    def on_term(signum, frame):
-        if shutdown.is_set():
+    def on_signal(signum, frame):
+        if signum == signal.SIGTERM and shutdown.is_set():
             os._exit(0)
+        if os.getppid() == trainer:  # (a trainer gone: nobody to tell)
+            os.kill(trainer, signum)
 
-    signal.signal(signal.SIGTERM, on_term)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     fsspec.asyn.reset_lock()
 
 

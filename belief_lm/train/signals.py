@@ -6,8 +6,8 @@ Clusters deliver them in many ways: SLURM's time-limit warning (`--signal`), pre
 local` forward what they receive; a terminal's Ctrl-C signals the whole foreground process
 group. Any subset of the ranks may get one, several times. So a signal only sets a flag
 (a repeat while saving changes nothing), and after every step the ranks agree whether any
-of them got one. Loader workers ignore them (data_pipeline.loader.worker_init): the trainer
-stops them once it has saved.
+of them got one. Loader workers pass them on to their trainer and read on
+(data_pipeline.loader.worker_init): the trainer stops them once it has saved.
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ def _command(run_dir, cache_dir, *overrides, **popen):
 
 def test_ctrl_c_to_the_process_group_saves_and_exits_75(tmp_path, cache_dir):
     """SIGINT to the trainer and its 2 loader workers at once (a terminal's Ctrl-C), then
-    SIGTERM while it stops: the workers ignore both, the trainer finishes its step, saves
-    once, and exits 75; the requeued job resumes there."""
+    SIGTERM while it stops: the workers pass both on and read on, the trainer finishes its
+    step, saves once, and exits 75; the requeued job resumes there."""
     log = (tmp_path / "log").open("w")
     job = _command(
         tmp_path, cache_dir, "train.max_steps=100000", "train.decay_steps=100000",
@@ -87,3 +87,29 @@ def test_ctrl_c_to_the_process_group_saves_and_exits_75(tmp_path, cache_dir):
     job = _command(tmp_path, cache_dir, f"train.max_steps={step + 2}", "train.decay_steps=100000")
     assert job.wait(timeout=240) == 0, job.stderr.read()[-3000:]
     assert read_info(newest_checkpoint(tmp_path / "checkpoints")).step == step + 2
+
+
+def test_a_stop_signal_to_one_loader_worker_saves_and_exits_75(tmp_path, cache_dir):
+    """SIGTERM to one of the trainer's 2 loader workers and to nothing else: the worker
+    tells its trainer, which finishes its step, saves and exits 75; resumed from there,
+    the run's losses are those of an uninterrupted one."""
+    import psutil
+
+    reference = tmp_path / "reference"
+    assert _command(reference, cache_dir, "train.max_steps=8").wait(timeout=240) == 0
+    log = (tmp_path / "log").open("w")
+    run = tmp_path / "run"
+    job = _command(run, cache_dir, "train.max_steps=8", "data.num_workers=2", stderr=log)
+    try:
+        wait_for_rows(run, 2, job)
+        workers = psutil.Process(job.pid).children()
+        assert len(workers) == 2
+        workers[1].send_signal(signal.SIGTERM)
+        assert job.wait(timeout=120) == 75, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        job.kill()
+    assert "SIGTERM: finishing the step" in (tmp_path / "log").read_text()
+    step = read_info(newest_checkpoint(run / "checkpoints")).step
+    assert 2 <= step < 8
+    assert _command(run, cache_dir, "train.max_steps=8").wait(timeout=240) == 0
+    assert losses(run) == losses(reference)
