@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 from belief_lm.config import Config
-from data_pipeline.build import build_tokenizer, check_data, tokenizer_sample
+from data_pipeline.build import build_tokenizer, check_data, open_source, tokenizer_sample
 from data_pipeline.prepared import PreparedSource, prepare
-from data_pipeline.sources import open_source
 from data_pipeline.tokenizer import Tokenizer, train_tokenizer
 
 log = logging.getLogger("belief_lm.data")

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from data_pipeline.config import DataConfig
+from data_pipeline.config import DataConfig, SourceConfig
+from data_pipeline.failures import DataFault
 from data_pipeline.loader import SINGLE, Collective, ReaderSlots, TrainData
 from data_pipeline.prepared import PreparedSource
 from data_pipeline.schedule import UNITS_PER_READER
-from data_pipeline.sources import DataFault, Source, SourceError, open_source
+from data_pipeline.sources import Source, SourceError
 from data_pipeline.stream import (
     STUCK_ROWS,
     DocumentReader,
@@ -31,6 +32,13 @@ from data_pipeline.stream import (
     stream_for,
 )
 from data_pipeline.tokenizer import Tokenizer, cached_tokenizer
+
+
+def open_source(cfg: SourceConfig) -> Source | PreparedSource:
+    """The Source (or PreparedSource, for 'prepared:DIR') of a source config; no I/O."""
+    if cfg.uri.startswith("prepared:"):
+        return PreparedSource(cfg)
+    return Source(cfg)
 
 
 def check_data(data: DataConfig) -> None:

@@ -39,8 +39,8 @@ import fsspec.asyn
 import numpy as np
 import torch
 
+from data_pipeline.failures import DataFault
 from data_pipeline.schedule import FIELDS, Schedule
-from data_pipeline.sources import DataFault
 from data_pipeline.stream import (
     SKIPPED,
     UNIT_TALLIES,

@@ -24,7 +24,8 @@ import numpy as np
 from tqdm import tqdm
 
 from data_pipeline.documents import split_of
-from data_pipeline.sources import Source, SourceError, Unit, batched
+from data_pipeline.reading import Unit, batched
+from data_pipeline.sources import Source, SourceError
 from data_pipeline.stream import READ_BATCH, DocumentReader, Position, StreamSettings, skip_problem
 from data_pipeline.tokenizer import Tokenizer, encode_in_process, load_in_process
 

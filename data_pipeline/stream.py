@@ -36,7 +36,9 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 
 from data_pipeline.documents import SKIP_REASONS, Document, split_of
-from data_pipeline.sources import RETRIES, DataFault, Source, Unit, failure_kind, retry_pause
+from data_pipeline.failures import RETRIES, DataFault, failure_kind, retry_pause
+from data_pipeline.reading import Unit
+from data_pipeline.sources import Source
 from data_pipeline.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

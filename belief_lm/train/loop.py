@@ -40,8 +40,8 @@ from belief_lm.train.signals import Preempted, StopRequests
 from belief_lm.train.spikes import Spike, SpikeDetector
 from belief_lm.train.validation import validation_batches, validation_loss
 from data_pipeline.build import build_tokenizer, build_train_data, check_data
+from data_pipeline.failures import DataFault
 from data_pipeline.loader import Collective, TrainData
-from data_pipeline.sources import DataFault
 from data_pipeline.tokenizer import Tokenizer, copy_model
 
 log = logging.getLogger("belief_lm.train")

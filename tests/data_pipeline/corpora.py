@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from data_pipeline.build import open_source
 from data_pipeline.config import SourceConfig
 from data_pipeline.embedded import embedded_documents
-from data_pipeline.sources import open_source
 
 FINEWEB_SCHEMA = pa.schema(
     [

@@ -8,6 +8,7 @@ import logging
 import lzma
 import re
 import socket
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,8 +26,9 @@ from corpora import (
 
 from data_pipeline.build import build_train_data
 from data_pipeline.config import DataConfig
-from data_pipeline.sources import DataFault, Source, failure_kind
-from data_pipeline.stream import skip_problem
+from data_pipeline.failures import DataFault, failure_kind
+from data_pipeline.sources import Source
+from data_pipeline.stream import epoch_order, skip_problem
 
 CPU = torch.device("cpu")
 
@@ -74,15 +76,23 @@ def test_a_corrupt_row_group_stops_the_run_when_asked(three_groups, embedded_tok
 
 
 def test_a_vanished_file_stops_the_run_naming_it(tmp_path, embedded_tokenizer):
-    for i in range(3):
+    """12 files read by one reader; one late in the epoch's order vanishes after 2 steps:
+    the run stops when its turn comes, naming it (a file read in parts may be served from
+    the decoded row groups a process keeps; whole files are read from disk)."""
+    for i in range(12):
         rows = fineweb_rows(20, offset=20 * i, chars=300)
         pq.write_table(pa.Table.from_pylist(rows, schema=FINEWEB_SCHEMA), tmp_path / f"{i}.parquet")
-    data = DataConfig(sources=[f"{tmp_path}/*.parquet"], num_workers=1, validation_fraction=0)
+    data = DataConfig(
+        sources=[f"{tmp_path}/*.parquet"], num_workers=1, validation_fraction=0, readers=1
+    )
     batches = build_train_data(data, embedded_tokenizer, 32, 4, 4, 0, 1, CPU)
+    units = batches.units[0]
+    assert all(u.start == 0 and u.stop == 20 for u in units)  # whole files
+    late = Path(batches.sources[0].files()[units[epoch_order(12, data.seed, 0)[9]].file])
     take(batches, 2)
     state = batches.state_dict()
-    (tmp_path / "1.parquet").unlink()
-    where = r"1\.parquet row group 0 \(rows \d+-\d+\) at row \d+: \[Errno 2\] No such file"
+    late.unlink()
+    where = rf"{late.name} row group 0 \(rows 0-19\) at row \d+: \[Errno 2\] No such file"
     with pytest.raises(DataFault, match=rf"\*\.parquet: cannot read \S+/{where}"):
         for _ in range(200):
             take(batches, 1)
@@ -202,7 +212,7 @@ def test_a_unit_is_read_again_where_the_network_failed(tmp_path, monkeypatch, ca
     import requests
 
     path = three_row_groups(tmp_path / "data.parquet")
-    monkeypatch.setattr("data_pipeline.sources.RETRY_PAUSE", 0)
+    monkeypatch.setattr("data_pipeline.failures.RETRY_PAUSE", 0)
     expected, _ = read_documents(source(str(path)))
     rows, calls = Source.rows, []
 

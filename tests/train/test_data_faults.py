@@ -149,7 +149,7 @@ def test_a_run_meets_three_faults_mid_run_and_resumes_after_each(
     assert steps[0] > 1 and "Traceback" not in done.stderr
     corrupt.write_bytes(intact[corrupt])  # repaired: the same size, so the same data
 
-    monkeypatch.setattr("data_pipeline.sources.RETRY_PAUSE", 0)
+    monkeypatch.setattr("data_pipeline.failures.RETRY_PAUSE", 0)
     rows = Source.rows
     unreachable = "HTTPSConnectionPool(host='huggingface.co', port=443): Max retries exceeded"
 
