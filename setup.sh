@@ -213,7 +213,12 @@ if [[ ! -x "$VENV/bin/python" ]] && ! "$PYTHON" -m venv "${venv_options[@]}" "$V
   "$PYTHON" -m venv --without-pip "${venv_options[@]}" "$VENV"
 fi
 PY="$VENV/bin/python"
-pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+LOG="$VENV/setup.log"  # what pip and the libraries say; shown only when a step fails
+: > "$LOG"
+pip_install() {
+  "$PY" -m pip install --disable-pip-version-check -q "$@" 2>>"$LOG" \
+    || { tail -n 40 "$LOG" >&2; echo "setup.sh: pip install $* failed (log: $LOG)" >&2; exit 1; }
+}
 
 if [[ -n $WHEELHOUSE ]]; then  # keep what the system has where it will do (a preinstalled
   pip_install pip "setuptools>=68" wheel  # torch may pin setuptools)
@@ -260,11 +265,16 @@ extras=""
 [[ -n $WHEELHOUSE ]] && extras="[test]"
 pip_install --no-build-isolation -e ".$extras"
 
-"$PY" - <<PY
+# (DeepSpeed logs its accelerator on stdout as it is imported: only our line is shown)
+check() {
+  "$PY" -W ignore - 2>>"$LOG" <<PY
 import torch, megatron.core, deepspeed, sentencepiece
 assert "$TORCH_VERSION" in ("system", torch.__version__.split("+")[0]), torch.__version__
 print(f"setup.sh: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
       f"deepspeed {deepspeed.__version__}, cuda={torch.cuda.is_available()}"
       + (" (installed offline from ${WHEELHOUSE})" if "${WHEELHOUSE}" else ""))
 PY
+}
+summary=$(check) || { tail -n 40 "$LOG" >&2; exit 1; }
+grep "^setup.sh: " <<< "$summary"
 echo "$want" > "$stamp"

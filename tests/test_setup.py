@@ -103,6 +103,8 @@ def install_offline_and_train(wheels: Path, python: str, system: str, tmp: Path,
         offline=True,
     )
     assert "installed offline from" in out.stdout
+    # one line: what pip and the libraries print goes to the venv's setup.log
+    assert len((out.stdout + out.stderr).strip().splitlines()) == 1, out.stdout + out.stderr
     where = run(
         [str(venv / "bin/python"), "-c", "import torch, deepspeed; "
          "print(torch.__file__); print(deepspeed.__file__)"],
