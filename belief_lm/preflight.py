@@ -93,16 +93,12 @@ def grad_accumulation_steps(cfg: Config, data_parallel: int) -> int:
     return batch // per_step
 
 
-def readers(cfg: Config) -> int:
-    """The run's logical data readers (data.readers, or one per global-batch sequence)."""
-    return cfg.data.readers or cfg.train.global_batch_size
-
-
 def check_readers(cfg: Config, data_parallel: int) -> None:
     """Every step takes global_batch / readers windows from every reader, and a reader
     lives on one data-parallel rank: readers must divide the global batch and be shared
     evenly by the data-parallel ranks."""
-    count, batch = readers(cfg), cfg.train.global_batch_size
+    batch = cfg.train.global_batch_size
+    count = cfg.data.readers_for(batch)
     if batch % count:
         raise ValueError(f"data.readers ({count}) must divide train.global_batch_size ({batch})")
     if count % data_parallel:

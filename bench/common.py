@@ -35,14 +35,15 @@ def write_result(path: str | Path, result: dict, device: torch.device) -> Path:
     return path
 
 
-def allow_bf16_on_cpu() -> None:
-    """Let train.precision=bf16 run on a CPU in this process. belief-lm refuses it there
-    (slow, and not what a CPU run is for), but DeepSpeed's bf16 engines run on a CPU, and a
-    benchmark that checks or measures bf16 without a GPU needs them; fp32 and auto are
-    resolved as before (auto: fp32 on a CPU)."""
-    import belief_lm.train.engine as engine
+def bench_engine(cfg, layout, vocab_size: int, device: torch.device):
+    """build_engine with what pre-flight decides for `cfg` (precision, accumulation), except
+    that train.precision=bf16 runs on a CPU too: belief-lm refuses it there (slow, and not
+    what a CPU run is for), but DeepSpeed's bf16 engines run on a CPU, and a benchmark that
+    checks or measures bf16 without a GPU needs them."""
+    from belief_lm.preflight import grad_accumulation_steps, use_bf16
+    from belief_lm.train.engine import build_engine
 
-    resolve = engine.use_bf16
-    engine.use_bf16 = lambda precision, device_type: resolve(
-        precision, "cuda" if precision == "bf16" else device_type
-    )
+    precision = cfg.train.precision
+    bf16 = precision == "bf16" or use_bf16(precision, device.type)
+    accumulation = grad_accumulation_steps(cfg, layout.data)
+    return build_engine(cfg, layout, vocab_size, device, bf16=bf16, accumulation=accumulation)

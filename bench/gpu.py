@@ -48,15 +48,14 @@ import torch.distributed as dist
 
 from belief_lm import attention as family
 from belief_lm.config import Config, load_config
-from belief_lm.model.attention_layer import FamilyCoreAttention
+from belief_lm.model.attention_layer import CAPTURE
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.parallel.env import detect
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
 from belief_lm.runtime import select_device
-from belief_lm.train.engine import build_engine
 from belief_lm.train.flops import flops_per_token, peak_tflops
 from belief_lm.variants import VARIANTS
-from bench.common import allow_bf16_on_cpu, write_result
+from bench.common import bench_engine, write_result
 
 MODELS = {
     "gpt2-124m": "configs/model/gpt2-124m.yaml",
@@ -127,8 +126,6 @@ class Bench:
 def main() -> None:
     args = parse_args()
     device = select_device("cpu" if args.smoke else "cuda")
-    if args.smoke:
-        allow_bf16_on_cpu()  # the bf16 checks in bf16 on the CPU too, as on a GPU
     init_distributed(detect(), device)
     layout = init_model_parallel(1, 1)
     if args.out is None:
@@ -263,7 +260,8 @@ def timed_steps(trainee, batches, steps: int, device) -> tuple[list[float], list
 
 
 def engine(cfg: Config, layout, device):
-    return build_engine(cfg, layout, cfg.model.vocab_size, device)
+    """The engine of `cfg` (bf16 where it asks for it: on the CPU too, for --smoke)."""
+    return bench_engine(cfg, layout, cfg.model.vocab_size, device)
 
 
 def release(trainee) -> None:
@@ -307,7 +305,7 @@ def process_group(device: torch.device) -> dict:
 
 def bf16_against_fp32(bench: Bench, layout) -> dict:
     """`tiny` trained in bf16 and in fp32 from the same seed (same initial weights) on the
-    same batches, through DeepSpeed's bf16 engine on CPU too (smoke: allow_bf16_on_cpu)."""
+    same batches, through DeepSpeed's bf16 engine on CPU too (smoke: bench_engine)."""
     steps = bench.args.check_steps
     vocab = [] if bench.args.smoke else ["model.vocab_size=4096"]
     curves = []
@@ -352,16 +350,20 @@ def attention_checks(bench: Bench, preset: str, fused: bool) -> tuple[dict, dict
         model = BeliefLM(cfg.model, cfg.model.vocab_size).to(bench.device, dtype)
         shape = (cfg.model.vocab_size, 1, cfg.model.seq_length)
         tokens, labels = token_batches(*shape, seed=0, device=bench.device)[0]
-        core = next(m for m in model.modules() if isinstance(m, FamilyCoreAttention))
-        core.capture = {}
         activities = [torch.profiler.ProfilerActivity.CPU]
         with torch.profiler.profile(activities=activities) as profile:
             model(tokens, labels).backward()
         names = {event.name for event in profile.events()}
         kernels[variant] = sorted({SDPA_KERNELS[n] for n in names if n in SDPA_KERNELS})
-        if variant == "belief":
-            products = inner_product_check(core.capture["mh"], core.capture["v"], fused)
-        del model, core
+        if variant == "belief":  # the layer's MH and V, from a forward in evaluation mode
+            captured = {}
+            scope = CAPTURE.set(captured)
+            model.eval()
+            with torch.no_grad():
+                model(tokens)
+            CAPTURE.reset(scope)
+            products = inner_product_check(captured[1]["mh"], captured[1]["v"], fused)
+        del model
     print(f"{preset} SDPA kernels:", kernels, flush=True)
     print(f"{preset} belief inner products:", products, flush=True)
     return kernels, products

@@ -3,7 +3,7 @@
     python bench/memory_worker.py OUT_DIR CONFIG [overrides...]
     torchrun --nproc_per_node=N bench/memory_worker.py OUT_DIR CONFIG [overrides...]
 
-Builds the engine as training does (belief_lm.train.engine.build_engine) and runs
+Builds the engine as training does (bench.common.bench_engine: build_engine) and runs
 optimizer steps on random tokens, with torch's profiler recording every allocation of the
 CPU allocator from before the model exists: the peak of bytes allocated is what
 torch.cuda.max_memory_allocated would report on a GPU (memory touched or not, without the
@@ -32,8 +32,7 @@ from belief_lm.config import load_config  # noqa: E402
 from belief_lm.parallel.env import detect  # noqa: E402
 from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
-from belief_lm.train.engine import build_engine  # noqa: E402
-from bench.common import allow_bf16_on_cpu  # noqa: E402
+from bench.common import bench_engine  # noqa: E402
 
 PROFILED_STEPS = 2
 """Steps under the profiler: Adam's moments appear in the first; the second is steady."""
@@ -137,7 +136,6 @@ def calibrate(cfg, layout) -> tuple[float, float | None]:
 def main() -> None:
     out_dir, config, *overrides = sys.argv[1:]
     cfg = load_config(config, overrides)
-    allow_bf16_on_cpu()  # the bf16 cases measure DeepSpeed's bf16 engines on the CPU
     device = select_device("cpu")
     init_distributed(detect(), device, timeout_s=600)
     layout = init_model_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
@@ -145,7 +143,8 @@ def main() -> None:
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("build"):
-            trainee = build_engine(cfg, layout, vocab, device)
+            # the bf16 cases measure DeepSpeed's bf16 engines on the CPU
+            trainee = bench_engine(cfg, layout, vocab, device)
         data = micro_batches(cfg, vocab)
         for _ in range(PROFILED_STEPS):
             with record_function("step"):

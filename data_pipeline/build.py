@@ -156,7 +156,7 @@ def build_train_data(
 ) -> TrainData:
     """This data-parallel rank's training steps (see TrainData): data.readers logical
     readers (default: one per sequence of the global batch), this rank's share of them."""
-    readers = data.readers or global_batch_size
+    readers = data.readers_for(global_batch_size)
     settings = _settings(data, seq_len + 1, "train", readers=readers)
     if data.num_workers == 0:  # tokenizing in this process: sentencepiece's thread pool
         settings = dataclasses.replace(settings, threads=-1)

@@ -101,6 +101,10 @@ class DataConfig(Section):
     """A parquet row group (or a compressed file) that cannot be read: skip it, counting
     its rows as unusable, or stop the run (saving the last step)."""
 
+    def readers_for(self, global_batch_size: int) -> int:
+        """The run's logical readers: `readers`, or one per sequence of the global batch."""
+        return self.readers or global_batch_size
+
     @field_validator("sources", mode="before")
     @classmethod
     def _uri_strings(cls, value: Any) -> Any:

@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from belief_lm import plan
 from belief_lm.cli import main
 from belief_lm.config import load_config
-from belief_lm.model.gpt import BeliefLM, set_activation_recompute, set_loss_chunking
+from belief_lm.model.gpt import BeliefLM
 from belief_lm.variants import VARIANTS
 
 SEQ, BATCH, VOCAB = 64, 2, 4096
@@ -65,11 +65,10 @@ def test_activations_per_layer_are_what_autograd_keeps(preset, variant, dtype):
     for layers in (1, 2):
         overrides = [*SMALL, *shape, f"model.num_layers={layers}", f"model.attention={variant}"]
         cfg = load_config(f"configs/model/{preset}.yaml", overrides).model
-        model = BeliefLM(cfg, VOCAB).to(getattr(torch, dtype)).train()
-        with torch.no_grad():
-            model(tokens)  # RoPE's cached angles are made once, not per step
         for mode in plan.RECOMPUTE_MODES:
-            set_activation_recompute(model, mode)
+            model = BeliefLM(cfg, VOCAB, recompute=mode).to(getattr(torch, dtype)).train()
+            with torch.no_grad():
+                model(tokens)  # RoPE's cached angles are made once, not per step
             kept[layers, mode] = kept_after_forward(model, tokens)
     for mode in plan.RECOMPUTE_MODES:
         measured = (kept[2, mode] - kept[1, mode]) / (SEQ * BATCH)
@@ -93,10 +92,9 @@ def test_the_chunked_loss_keeps_no_logits(dtype):
     for layers in (1, 2):
         overrides = [*SMALL, *LLAMA, f"model.num_layers={layers}", "model.attention=belief_star"]
         cfg = load_config("configs/model/tiny.yaml", overrides).model
-        model = BeliefLM(cfg, VOCAB).to(getattr(torch, dtype)).train()
+        model = BeliefLM(cfg, VOCAB, loss_chunk_tokens=48).to(getattr(torch, dtype)).train()
         with torch.no_grad():
             model(tokens)
-        set_loss_chunking(model, 48)
         kept[layers] = kept_after_forward(model, tokens)
     head = (2 * kept[1] - kept[2]) / (SEQ * BATCH)
     predicted = plan.head_activations(cfg, VOCAB, 1, bf16, chunked_loss=True)

@@ -17,6 +17,7 @@ all-reduce handed to the global projection.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,16 @@ from belief_lm import attention as family
 from belief_lm.parallel.collectives import tensor_parallel_sum
 from belief_lm.variants import VARIANTS
 
+DECODING: ContextVar[tuple[family.LayerCache, family.DecodeStep] | None] = ContextVar(
+    "decoding", default=None
+)
+"""While a DecoderLayer continues a cached sequence: its layer's cache and the step, for the
+one call megatron's SelfAttention makes to the core attention (which has no argument to
+hand them over). Read only in evaluation mode."""
+CAPTURE: ContextVar[dict | None] = ContextVar("capture", default=None)
+"""While set to a dict (belief diagnostics): each layer's core attention stores its MH and V
+there under its layer number. Read only in evaluation mode."""
+
 
 class FamilyCoreAttention(MegatronModule):
     """Causal core attention for every variant; a drop-in for megatron's DotProductAttention.
@@ -40,17 +51,12 @@ class FamilyCoreAttention(MegatronModule):
     Inputs are megatron's [seq, batch, heads, head_dim] (query: this rank's heads; key/value:
     its KV groups). Returns [seq, batch, heads * head_dim], or twice that for belief_star.
     Attention is always causal over the whole packed window; masks are not supported.
-    Setting `capture` to a dict makes the next forward store MH and V (for diagnostics);
-    `decoding` (this layer's cache and the step, set by DecoderLayer for one call) makes
-    it attend to the cached tokens too. With `recompute` set (selective activation
-    recompute), training keeps only Q, K and V and recomputes the rest in backward: SDPA's
-    output and statistics, each head's V and the belief projections' intermediates, the
-    layer's largest activations per FLOP.
+    In evaluation mode, DECODING makes it attend to the cached tokens too and CAPTURE
+    collects MH and V. With `recompute` (selective activation recompute), training keeps
+    only Q, K and V and recomputes the rest in backward: SDPA's output and statistics, each
+    head's V and the belief projections' intermediates, the layer's largest activations
+    per FLOP.
     """
-
-    capture: dict | None = None
-    decoding: tuple[family.LayerCache, family.DecodeStep] | None = None
-    recompute = False
 
     def __init__(
         self,
@@ -68,8 +74,10 @@ class FamilyCoreAttention(MegatronModule):
         beta: float = 1.0,
         head_scales: Sequence[int] = (),
         fused: bool = False,
+        recompute: bool = False,
     ):
         super().__init__(config=config)
+        self.layer_number, self.recompute = layer_number, recompute
         self.mixing, self.residual = VARIANTS[variant]
         self.softmax_scale = softmax_scale
         self.gamma, self.beta, self.fused = gamma, beta, fused
@@ -107,15 +115,18 @@ class FamilyCoreAttention(MegatronModule):
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        cache, step = self.decoding or (None, None)
+        cache, step = (None, None) if self.training else (DECODING.get() or (None, None))
         h = family.attention_heads(
             q, k, v, self.mixing, beta=self.beta, head_scales=self.local_head_scales,
             softmax_scale=self.softmax_scale, cache=cache, step=step,
         )  # fmt: skip
         h = h.permute(2, 0, 1, 3)  # [s, b, heads, d]
         v_heads = family.heads_from_groups(value, query.shape[2], dim=2)  # V_m of each head
-        if self.capture is not None:
-            self.capture.update(mh=h.flatten(2).detach(), v=v_heads.flatten(2).detach())
+        if not self.training and (captured := CAPTURE.get()) is not None:
+            captured[self.layer_number] = {
+                "mh": h.flatten(2).detach(),
+                "v": v_heads.flatten(2).detach(),
+            }
         return family.residual_signal(
             h, v_heads, self.residual, self.gamma, self.shard_sum, self.fused
         )
@@ -181,8 +192,15 @@ class BeliefStarProjection(RowParallelLinear):
 
 
 def core_attention_spec(
-    variant: str, gamma: float, beta: float, head_scales: Sequence[int], fused: bool = False
+    variant: str,
+    gamma: float,
+    beta: float,
+    head_scales: Sequence[int],
+    fused: bool = False,
+    recompute: bool = False,
 ) -> ModuleSpec:
     """The core-attention entry of megatron's SelfAttention spec for one variant."""
     params = {"variant": variant, "gamma": gamma, "beta": beta, "head_scales": head_scales}
-    return ModuleSpec(module=FamilyCoreAttention, params={**params, "fused": fused})
+    return ModuleSpec(
+        module=FamilyCoreAttention, params={**params, "fused": fused, "recompute": recompute}
+    )

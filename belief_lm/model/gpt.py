@@ -28,11 +28,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    copy_to_tensor_model_parallel_region,
-)
+from megatron.core.tensor_parallel import ColumnParallelLinear, copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -40,12 +36,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, rotary_angles
+from belief_lm.compat import ColumnLinear, RowLinear
 from belief_lm.config import ModelConfig
-from belief_lm.model.attention_layer import (
-    BeliefStarProjection,
-    FamilyCoreAttention,
-    core_attention_spec,
-)
+from belief_lm.model.attention_layer import DECODING, BeliefStarProjection, core_attention_spec
 from belief_lm.model.loss import chunked_lm_loss, lm_loss
 from belief_lm.runtime import derived_seed
 from belief_lm.variants import VARIANTS
@@ -86,37 +79,15 @@ def transformer_config(cfg: ModelConfig, tensor_parallel: int = 1) -> Transforme
     )
 
 
-class RowLinear(RowParallelLinear):
-    """megatron's RowParallelLinear, handing its GEMM the layer's own tensor-parallel
-    group: megatron hands it None, which is looked up again and warned about (a
-    deprecation) on every call, and a Python warning is a graph break under torch.compile
-    (model.compile=layer). The group is unused there (no gradient all-reduce in a row
-    layer's GEMM), so the computation is the same."""
-
-    def _forward_impl(self, *args, **kwargs) -> Tensor:
-        return super()._forward_impl(*args, **{**kwargs, "tp_group": self.tp_group})
-
-
-class ColumnLinear(ColumnParallelLinear):
-    """megatron's ColumnParallelLinear with its input's gradient summed over the
-    tensor-parallel ranks by a plain all-reduce (copy_to_tensor_model_parallel_region, as
-    megatron does with allreduce_dgrad off) instead of the asynchronous one megatron starts
-    inside its GEMM's backward: torch.compile cannot trace that one's handle, nor the
-    warning megatron gives with it (graph breaks at TP > 1, model.compile=layer). Inductor
-    orders the collective itself. The same sum; nothing changes at TP=1."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.allreduce_dgrad = False
-
-
-def decoder_layer_spec(cfg: ModelConfig) -> ModuleSpec:
-    """megatron's local GPT layer spec with our core attention (and W^s for belief_star)."""
+def decoder_layer_spec(cfg: ModelConfig, recompute: str = "none") -> ModuleSpec:
+    """megatron's local GPT layer spec with our core attention (and W^s for belief_star);
+    `recompute` is train.activation_checkpointing (selective: the core attention's)."""
     spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = core_attention_spec(
-        cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.fused_projections
-    )
+        cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.fused_projections,
+        recompute=recompute == "selective",
+    )  # fmt: skip
     if cfg.compile == "layer":  # megatron's own otherwise: its private call is overridden
         attention.linear_proj = spec.submodules.mlp.submodules.linear_fc2 = RowLinear
         attention.linear_qkv = spec.submodules.mlp.submodules.linear_fc1 = ColumnLinear
@@ -168,24 +139,31 @@ class DecoderLayer(TransformerLayer):
     """One pre-norm decoder layer: x += attention(norm(x)); x += mlp(norm(x)).
 
     Takes and returns only the hidden states, so it is also a pipeline stage; RoPE angles
-    are computed (and cached) here rather than passed between stages. With `recompute`
-    set, its activations are recomputed in backward instead of stored (only its input is
-    kept): see set_activation_recompute. `decoding` (this layer's cache and the step) makes
-    it continue a cached sequence. With model.compile=layer, training runs the whole layer
+    are computed (and cached) here rather than passed between stages. `recompute` is
+    train.activation_checkpointing: none; selective recomputes the core attention in
+    backward; full recomputes the whole layer (only its input is kept). `decoding` (this
+    layer's cache and the step) makes it continue a cached sequence. With
+    model.compile=layer, training runs the whole layer
     through torch.compile (one graph for norms, projections, attention and MLP, fused where
     Inductor can); evaluation and decoding stay eager (a cache is Python state, and
     shapes that change every step would recompile).
     """
 
-    recompute = False
-
-    def __init__(self, config: TransformerConfig, model: ModelConfig, layer_number: int, seed: int):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        model: ModelConfig,
+        layer_number: int,
+        seed: int,
+        recompute: str = "none",
+    ):
         with seeded_init(seed):
             super().__init__(
                 config=config,
-                submodules=decoder_layer_spec(model).submodules,
+                submodules=decoder_layer_spec(model, recompute).submodules,
                 layer_number=layer_number,
             )
+        self.recompute = recompute == "full"
         self.rope_base = model.rotary_base if model.position_embedding == "rope" else None
         # lazy: compiles at the first training forward (once for all layers: the layers
         # differ only in their weights, which the graph takes as inputs)
@@ -210,26 +188,17 @@ class DecoderLayer(TransformerLayer):
                                       hidden_states.device)  # fmt: skip
         elif self.rope_base is not None:  # each row's own positions: [seq, batch, 1, dim]
             rope = rotary_angles(decoding[1].positions.t(), dim, self.rope_base).unsqueeze(2)
-        # megatron's SelfAttention has no way to hand the core attention a cache of ours:
-        # the core attention holds it for this one call
-        core = self.self_attention.core_attention
-        core.decoding = decoding
+        if decoding is None:  # (training's path, compiled: no context variable in it)
+            output, _ = super().forward(hidden_states, attention_mask=None, rotary_pos_emb=rope)
+            return output
+        # megatron's SelfAttention has no argument to hand the core attention a cache of
+        # ours: it is the core attention's DECODING for this one call
+        scope = DECODING.set(decoding)
         try:
             output, _ = super().forward(hidden_states, attention_mask=None, rotary_pos_emb=rope)
         finally:
-            core.decoding = None
+            DECODING.reset(scope)
         return output
-
-
-def set_activation_recompute(model: torch.nn.Module, mode: str) -> None:
-    """train.activation_checkpointing on a model (or pipeline stage): none; selective
-    recomputes each layer's FamilyCoreAttention in backward; full recomputes each whole
-    DecoderLayer."""
-    for module in model.modules():
-        if isinstance(module, DecoderLayer):
-            module.recompute = mode == "full"
-        elif isinstance(module, FamilyCoreAttention):
-            module.recompute = mode == "selective"
 
 
 def final_norm_class(config: TransformerConfig) -> type[torch.nn.Module]:
@@ -246,14 +215,19 @@ def vocab_parallel_logits(hidden: Tensor, weight: Tensor) -> Tensor:
 
 class OutputLayer(ColumnParallelLinear):
     """Last stage: hidden [seq, batch, hidden] -> logits [seq, batch, vocab / TP].
-    With tied embeddings it owns no weight and is handed the embedding's. Given labels
-    (only when `loss_chunk_tokens` is set: see set_loss_chunking) it returns the loss
-    instead, computed chunk by chunk with its GEMM, so the logits never exist whole; inside
-    this module's forward, where ZeRO-3 has gathered its weight."""
+    With tied embeddings it owns no weight and is handed the embedding's. With
+    `loss_chunk_tokens` (train.loss_chunk_tokens) and given labels it returns the loss
+    instead, computed that many tokens at a time with its GEMM, so the logits never exist
+    whole; inside this module's forward, where ZeRO-3 has gathered its weight."""
 
-    loss_chunk_tokens = 0
-
-    def __init__(self, config: TransformerConfig, vocab_size: int, tied: bool, seed: int):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        tied: bool,
+        seed: int,
+        loss_chunk_tokens: int = 0,
+    ):
         with seeded_init(seed):
             super().__init__(
                 config.hidden_size,
@@ -264,6 +238,7 @@ class OutputLayer(ColumnParallelLinear):
                 gather_output=False,
                 skip_weight_param_allocation=tied,
             )
+        self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(  # type: ignore[override]
         self, hidden: Tensor, tied_weight: Tensor | None = None, labels: Tensor | None = None
@@ -274,15 +249,6 @@ class OutputLayer(ColumnParallelLinear):
         return vocab_parallel_logits(hidden, weight)
 
 
-def set_loss_chunking(model: torch.nn.Module, tokens: int) -> None:
-    """train.loss_chunk_tokens on a model: 0 computes the loss from the whole micro-batch's
-    logits (lm_loss); N > 0 N tokens at a time inside the output layer (chunked_lm_loss).
-    A pipeline is built for it instead (pipeline.build_pipeline)."""
-    for module in model.modules():
-        if isinstance(module, OutputLayer):
-            module.loss_chunk_tokens = tokens
-
-
 def stage_seed(seed: int, stage_index: int) -> int:
     """Init seed of model part `stage_index` (0: embedding, 1..L: layers, L+1: output)."""
     return derived_seed(seed, stage_index)
@@ -290,23 +256,33 @@ def stage_seed(seed: int, stage_index: int) -> int:
 
 class BeliefLM(MegatronModule):
     """The whole model in one process (tensor parallelism inside the layers). The pipeline
-    (belief_lm/model/pipeline.py) is built from the same parts with the same seeds."""
+    (belief_lm/model/pipeline.py) is built from the same parts with the same seeds.
+    `recompute` (train.activation_checkpointing) and `loss_chunk_tokens`
+    (train.loss_chunk_tokens) change how training computes, never the result."""
 
     def __init__(
-        self, model: ModelConfig, vocab_size: int, tensor_parallel: int = 1, seed: int = 0
+        self,
+        model: ModelConfig,
+        vocab_size: int,
+        tensor_parallel: int = 1,
+        seed: int = 0,
+        *,
+        recompute: str = "none",
+        loss_chunk_tokens: int = 0,
     ):
         config = transformer_config(model, tensor_parallel)
         super().__init__(config=config)
         self.model_config = model
         self.embedding = TokenEmbedding(config, model, vocab_size, stage_seed(seed, 0))
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(config, model, layer_number=i + 1, seed=stage_seed(seed, i + 1))
+            DecoderLayer(config, model, i + 1, stage_seed(seed, i + 1), recompute)
             for i in range(model.num_layers)
         )
         self.final_norm = final_norm_class(config)(config.hidden_size, eps=config.layernorm_epsilon)
         self.output_layer = OutputLayer(
-            config, vocab_size, model.tie_embeddings, stage_seed(seed, model.num_layers + 1)
-        )
+            config, vocab_size, model.tie_embeddings, stage_seed(seed, model.num_layers + 1),
+            loss_chunk_tokens,
+        )  # fmt: skip
 
     def forward(
         self, tokens: Tensor, labels: Tensor | None = None, cache: DecodeCache | None = None

@@ -62,14 +62,20 @@ def _chunked_loss(outputs: tuple[Tensor, Tensor], labels: Tensor, chunk_tokens: 
 
 
 def layer_specs(
-    model: ModelConfig, vocab_size: int, tensor_parallel: int, seed: int, chunked: bool = False
+    model: ModelConfig,
+    vocab_size: int,
+    tensor_parallel: int,
+    seed: int,
+    chunked: bool = False,
+    recompute: str = "none",
 ) -> list:
     """[embedding, layer 1..L, final norm, output] as DeepSpeed layer specs; `chunked`: the
-    output stage returns (hidden, weight) for a chunked loss instead of logits."""
+    output stage returns (hidden, weight) for a chunked loss instead of logits; `recompute`:
+    train.activation_checkpointing."""
     config = transformer_config(model, tensor_parallel)
     embedding_args = (TokenEmbedding, config, model, vocab_size, stage_seed(seed, 0))
     layers = [
-        LayerSpec(DecoderLayer, config, model, i + 1, stage_seed(seed, i + 1))
+        LayerSpec(DecoderLayer, config, model, i + 1, stage_seed(seed, i + 1), recompute)
         for i in range(model.num_layers)
     ]
     norm = LayerSpec(final_norm_class(config), config.hidden_size, eps=config.layernorm_epsilon)
@@ -92,17 +98,20 @@ def build_pipeline(
     tensor_parallel: int,
     seed: int,
     loss_chunk_tokens: int = 0,
+    recompute: str = "none",
 ) -> PipelineModule:
     """This rank's stage of the pipelined model; decoder layers are balanced over stages.
-    `loss_chunk_tokens` is train.loss_chunk_tokens (a pipeline is built for it, not set
-    later with set_loss_chunking). The output stage's copy of a tied embedding is marked
+    `loss_chunk_tokens` is train.loss_chunk_tokens, `recompute`
+    train.activation_checkpointing. The output stage's copy of a tied embedding is marked
     `pipeline_duplicate`: sums over the whole model (parameter count, gradient norm) must
     not count it twice."""
     loss_fn = lm_loss
     if loss_chunk_tokens:
         loss_fn = functools.partial(_chunked_loss, chunk_tokens=loss_chunk_tokens)
     stage = PipelineModule(
-        layers=layer_specs(model, vocab_size, tensor_parallel, seed, loss_chunk_tokens > 0),
+        layers=layer_specs(
+            model, vocab_size, tensor_parallel, seed, loss_chunk_tokens > 0, recompute
+        ),
         topology=topology,
         loss_fn=loss_fn,
         partition_method="type:DecoderLayer",

@@ -25,13 +25,11 @@ def init_distributed(env: ProcessEnv, device: torch.device, timeout_s: float = 6
     if dist.is_initialized():
         return
     import deepspeed
-    import deepspeed.ops
+
+    from belief_lm.compat import disable_shm_comm
 
     if device.type == "cpu":
-        # DeepSpeed's CPU backend would compile a shared-memory all-reduce (C++, a minute of
-        # a core per process group start whose build command differs, e.g. another venv's
-        # path) for its inference all-reduce, which training never calls: gloo does ours.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        disable_shm_comm()  # a C++ build DeepSpeed's CPU backend would start for nothing
     env.export()
     deepspeed.init_distributed(
         dist_backend=backend_for(device),

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from belief_lm.attention import global_orthogonal_residual
+from belief_lm.model.attention_layer import CAPTURE
 from belief_lm.model.gpt import DecoderLayer
 
 
@@ -23,14 +24,14 @@ def belief_diagnostics(engine, tokens: torch.Tensor, labels: torch.Tensor, pipel
     from one forward pass over (tokens, labels). Collective: every rank must call it."""
     layers = [m for m in engine.module.modules() if isinstance(m, DecoderLayer)]
     inputs: dict[int, torch.Tensor] = {}
-    hooks = []
-    for layer in layers:
-        layer.self_attention.core_attention.capture = {}
-        hooks.append(
-            layer.register_forward_pre_hook(
-                lambda module, args: inputs.__setitem__(module.layer_number, args[0].detach())
-            )
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda module, args: inputs.__setitem__(module.layer_number, args[0].detach())
         )
+        for layer in layers
+    ]
+    captured: dict[int, dict] = {}  # layer number: its MH and V
+    scope = CAPTURE.set(captured)
     was_training = engine.module.training
     engine.module.eval()
     try:
@@ -40,13 +41,13 @@ def belief_diagnostics(engine, tokens: torch.Tensor, labels: torch.Tensor, pipel
             engine.module(tokens)
     finally:
         engine.module.train(was_training)
+        CAPTURE.reset(scope)
         for hook in hooks:
             hook.remove()
     results = {}
     for layer in layers:
-        captured = layer.self_attention.core_attention.capture
-        layer.self_attention.core_attention.capture = None
-        results.update(_layer_stats(layer, inputs[layer.layer_number], **captured))
+        number = layer.layer_number
+        results.update(_layer_stats(layer, inputs[number], **captured[number]))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     return {k: v for part in gathered for k, v in part.items()}

@@ -16,22 +16,23 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from belief_lm import compat
 from belief_lm.config import Config
-from belief_lm.model.gpt import BeliefLM, set_activation_recompute, set_loss_chunking
+from belief_lm.model.gpt import BeliefLM
 from belief_lm.parallel.dims import Layout
 from belief_lm.parallel.gather import count_model_parameters, counted_once
 from belief_lm.parallel.mpu import MegatronMPU
 from belief_lm.parallel.topology import assert_same_layout, deepspeed_topology
-from belief_lm.preflight import grad_accumulation_steps, use_bf16
-from belief_lm.train.optim import GuardedAdamW, build_optimizer
+from belief_lm.train.optim import StepGuard, build_optimizer
 
 
-def deepspeed_config(cfg: Config, data_parallel: int, bf16: bool) -> dict:
-    """DeepSpeed's JSON config, derived from ours (users never write it by hand)."""
+def deepspeed_config(cfg: Config, accumulation: int, bf16: bool) -> dict:
+    """DeepSpeed's JSON config, derived from ours and from what pre-flight decided (users
+    never write it by hand)."""
     return {
         "train_batch_size": cfg.train.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
-        "gradient_accumulation_steps": grad_accumulation_steps(cfg, data_parallel),
+        "gradient_accumulation_steps": accumulation,
         # DeepSpeed defaults clipping to 1.0 when unset: always state it.
         "gradient_clipping": cfg.train.grad_clip,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
@@ -48,8 +49,9 @@ class Trainee:
     """The model in its DeepSpeed engine, and the one optimizer step training repeats."""
 
     engine: object
-    optimizer: GuardedAdamW
-    """Ours inside the engine: it tells whether the last update was skipped."""
+    guard: StepGuard
+    """Our optimizer's (inside the engine): whether the last update was skipped, and the
+    veto on the coming one."""
     parameters: int
     """Whole-model parameter count (all ranks)."""
     pipelined: bool
@@ -64,8 +66,8 @@ class Trainee:
         before the update, and returns whether to skip the update (the optimizer makes
         every rank skip if any says so). With a pipeline the engine updates inside
         train_batch, so `screen` sees the loss only afterwards and may not ask to skip."""
-        engine = self.engine
-        self.optimizer.skipped = self.optimizer.nonfinite = None
+        engine, guard = self.engine, self.guard
+        guard.skipped = guard.nonfinite = None
         if self.pipelined:  # 1F1B over all micro-batches, optimizer step included
             loss = engine.train_batch(data_iter=micro_batches)
             if screen is not None and screen(loss):
@@ -79,9 +81,9 @@ class Trainee:
             engine.backward(loss)  # DeepSpeed divides by the accumulation steps
             total = loss.detach() if total is None else total + loss.detach()
             if screen is not None and micro == accumulation - 1:
-                self.optimizer.veto = screen(total / accumulation)  # before the update
+                guard.veto = screen(total / accumulation)  # before the update
             engine.step()  # optimizer + scheduler step only at the accumulation boundary
-        self.optimizer.veto = False
+        guard.veto = False
         return total / accumulation
 
     @property
@@ -89,12 +91,12 @@ class Trainee:
         """Whether the last step's update was skipped for a non-finite gradient (decided
         on every rank together); DeepSpeed's own overflow check may skip the optimizer
         entirely, which counts as skipped too."""
-        return self.optimizer.nonfinite is not False
+        return self.guard.nonfinite is not False
 
     @property
     def update_vetoed(self) -> bool:
         """Whether the last step's update was skipped because a rank's `screen` asked."""
-        return bool(self.optimizer.skipped) and self.optimizer.nonfinite is False
+        return bool(self.guard.skipped) and self.guard.nonfinite is False
 
     def global_mean(self, loss: torch.Tensor) -> float:
         """This step's loss averaged over the global batch, on every rank (collective over
@@ -103,7 +105,7 @@ class Trainee:
             loss = loss.clone()
             dist.all_reduce(loss, group=ps.get_data_parallel_group())
             loss /= ps.get_data_parallel_world_size()
-        return loss.item()  # host-device sync: once per log interval, not per step
+        return loss.item()  # host-device sync
 
 
 def build_engine(
@@ -111,12 +113,16 @@ def build_engine(
     layout: Layout,
     vocab_size: int,
     device: torch.device,
+    *,
+    bf16: bool,
+    accumulation: int,
     load_universal: bool = False,
     weights: dict[str, torch.Tensor] | None = None,
 ) -> Trainee:
     """Build this rank's model (or pipeline stage) and wrap it in DeepSpeed's engine.
-    `load_universal`: the checkpoint to resume from is in DeepSpeed's universal format;
-    `weights`: whole tensors (BeliefLM's names) to start from instead of the seeded init."""
+    `bf16` and `accumulation` are pre-flight's (preflight.Plan); `load_universal`: the
+    checkpoint to resume from is in DeepSpeed's universal format; `weights`: whole tensors
+    (BeliefLM's names) to start from instead of the seeded init."""
     import deepspeed  # imported after select_device set the accelerator
 
     from belief_lm.model.pipeline import build_pipeline, canonical_name
@@ -124,28 +130,30 @@ def build_engine(
     topology = deepspeed_topology(layout)
     assert_same_layout(topology)
     pipelined = layout.pipeline > 1
-    chunk_tokens = cfg.train.loss_chunk_tokens
+    # how training computes, never the result
+    execution = {
+        "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
+        "recompute": cfg.train.activation_checkpointing,
+    }
     if pipelined:
         model = build_pipeline(
-            cfg.model, vocab_size, topology, layout.tensor, cfg.run.seed, chunk_tokens
+            cfg.model, vocab_size, topology, layout.tensor, cfg.run.seed, **execution
         )
     else:
-        model = BeliefLM(cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed)
-        set_loss_chunking(model, chunk_tokens)
+        model = BeliefLM(cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed, **execution)
     if weights is not None:  # before DeepSpeed takes the weights (ZeRO partitions, bf16)
         from belief_lm.checkpoint.consolidate import load_full_state
 
         rename = (lambda name: canonical_name(name, cfg.model.num_layers)) if pipelined else None
         load_full_state(model, weights, rename)
     model.to(device)
-    set_activation_recompute(model, cfg.train.activation_checkpointing)
     parameters = count_model_parameters(model)  # before ZeRO-3 partitions them away
     for module in model.modules():
-        module.register_state_dict_post_hook(_drop_empty_extra_state)
+        module.register_state_dict_post_hook(compat.drop_empty_extra_state)
 
-    optimizer, scheduler = build_optimizer(model, cfg.train, device)
-    bf16 = use_bf16(cfg.train.precision, device.type)
-    ds_config = deepspeed_config(cfg, layout.data, bf16)
+    guard = StepGuard()
+    optimizer, scheduler = build_optimizer(model, cfg.train, device, guard)
+    ds_config = deepspeed_config(cfg, accumulation, bf16)
     ds_config["checkpoint"] = {"load_universal": load_universal}
     if cfg.parallel.zero_stage == 0 and not bf16:
         # Here DeepSpeed would clip but drop the norm; clip in a pre-step hook instead.
@@ -156,21 +164,14 @@ def build_engine(
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu
     )
-    return Trainee(engine, optimizer, parameters, pipelined)
-
-
-def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
-    """megatron's linears put `<name>._extra_state: None` into state dicts, which DeepSpeed's
-    universal converter cannot read; megatron restores the None default when loading."""
-    for key in [k for k, v in state_dict.items() if k.endswith("._extra_state") and v is None]:
-        del state_dict[key]
+    return Trainee(engine, guard, parameters, pipelined)
 
 
 def _clip_and_record_norm(max_norm: float, mpu):
     """Optimizer pre-step hook: clip the (already data-parallel reduced) gradients by their
-    global norm and leave the pre-clip norm in `optimizer._global_grad_norm`, where
-    DeepSpeed's engine reads it for get_global_grad_norm(). The clip coefficient is
-    DeepSpeed's, max_norm / (norm + 1e-6)."""
+    global norm and hand the pre-clip norm to DeepSpeed's engine for its
+    get_global_grad_norm() (compat.report_grad_norm). The clip coefficient is DeepSpeed's,
+    max_norm / (norm + 1e-6)."""
 
     def hook(optimizer, args, kwargs):
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -178,7 +179,7 @@ def _clip_and_record_norm(max_norm: float, mpu):
         coefficient = max_norm / (norm + 1e-6)
         if max_norm > 0 and coefficient < 1:
             torch._foreach_mul_([p.grad for p in params if p.grad is not None], coefficient)
-        optimizer._global_grad_norm = norm
+        compat.report_grad_norm(optimizer, norm)
 
     return hook
 

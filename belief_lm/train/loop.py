@@ -214,7 +214,10 @@ class Trainer:
             )
         other_layout = resume is not None and resume.other_layout
         weights = checkpointing.weights_only(resume)  # an imported model: its weights alone
-        trainee = build_engine(cfg, layout, vocab_size, device, other_layout, weights)
+        trainee = build_engine(
+            cfg, layout, vocab_size, device, bf16=plan.bf16, accumulation=plan.grad_accumulation,
+            load_universal=other_layout, weights=weights,
+        )  # fmt: skip
         data = build_train_data(
             cfg.data, tokenizer, cfg.model.seq_length, cfg.train.global_batch_size,
             cfg.train.micro_batch_size, layout.data_rank, layout.data, device,

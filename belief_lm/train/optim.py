@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,38 +41,50 @@ class WarmupCosine:
         return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@dataclass
+class StepGuard:
+    """Whether an optimizer step may update, and what the last one did: handed to
+    GuardedAdamW when it is made, and shared with whoever decides and reads."""
+
+    veto: bool = False
+    """Skip the coming update (a loss spike with train.spike.action=skip). It holds until
+    cleared: ZeRO steps each parameter group separately."""
+    skipped: bool = False
+    """Whether the last step() applied no update (for either reason)."""
+    nonfinite: bool | None = False
+    """Whether the last step() found a non-finite gradient on some rank (None: the engine
+    made no step() call, as DeepSpeed's own overflow check may decide)."""
+
+
 class GuardedAdamW(torch.optim.AdamW):
     """torch's AdamW that skips an update, on every rank together, when any rank holds a
-    non-finite gradient (a non-finite loss makes its gradients non-finite) or any rank
-    vetoes it (`veto`: a loss spike with train.spike.action=skip).
+    non-finite gradient (a non-finite loss makes its gradients non-finite) or any rank's
+    `guard.veto` asks it to.
 
     DeepSpeed calls step() on every rank at each optimizer step (ZeRO calls it on its flat
     fp32 partitions, once per parameter group), so the decision is one all-reduce of two
     flags over the world, after the gradients were reduced and before anything is
-    updated; `skipped` and `nonfinite` tell the caller.
+    updated; the guard then tells the caller what happened.
     """
 
-    skipped = False
-    """Whether the last step() applied no update (for either reason)."""
-    nonfinite = False
-    """Whether the last step() found a non-finite gradient on some rank."""
-    veto = False
-    """Set by the caller before the engine steps the optimizer: skip this update. It stays
-    set until the caller clears it (ZeRO steps each parameter group separately)."""
+    def __init__(self, params, guard: StepGuard, **adamw):
+        super().__init__(params, **adamw)
+        self.guard = guard
 
     @torch.no_grad()
     def step(self, closure=None):
+        guard = self.guard
         params = (p for group in self.param_groups for p in group["params"])
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else "cpu"
-        flags = torch.tensor([0.0, float(self.veto)], device=device)  # [non-finite, veto]
+        flags = torch.tensor([0.0, float(guard.veto)], device=device)  # [non-finite, veto]
         if grads:
             flags[0] = torch.isfinite(torch.nn.utils.get_total_norm(grads)).logical_not()
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, vetoed = flags.tolist()  # host-device sync, once per optimizer step
-        self.nonfinite, self.skipped = bool(nonfinite), bool(nonfinite or vetoed)
-        return None if self.skipped else super().step(closure)
+        guard.nonfinite, guard.skipped = bool(nonfinite), bool(nonfinite or vetoed)
+        return None if guard.skipped else super().step(closure)
 
 
 def adamw_kernel(kernel: str, device: torch.device) -> dict[str, bool]:
@@ -83,11 +96,13 @@ def adamw_kernel(kernel: str, device: torch.device) -> dict[str, bool]:
 
 
 def build_optimizer(
-    model: torch.nn.Module, train: TrainConfig, device: torch.device
+    model: torch.nn.Module, train: TrainConfig, device: torch.device, guard: StepGuard
 ) -> tuple[GuardedAdamW, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW (train.adamw_kernel) that skips non-finite steps, and its LambdaLR schedule."""
+    """AdamW (train.adamw_kernel) that skips non-finite and vetoed steps (`guard`), and its
+    LambdaLR schedule."""
     optimizer = GuardedAdamW(
         param_groups(model, train.weight_decay),
+        guard,
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         eps=train.eps,

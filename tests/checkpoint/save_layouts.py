@@ -12,7 +12,7 @@ module's own weight (None under ZeRO-3, which partitions it away).
 
 belief-lm refuses bf16 on a CPU (train.precision=bf16 needs a GPU in this project), but
 DeepSpeed's bf16 engines run there with its CPU accelerator: this driver lifts that one
-refusal (preflight's and the engine's use_bf16), so runs with train.precision=bf16 save
+refusal (preflight's use_bf16), so runs with train.precision=bf16 save
 real bf16 checkpoints: bf16 module weights beside fp32 masters.
 """
 
@@ -30,7 +30,6 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 import belief_lm.preflight  # noqa: E402
-import belief_lm.train.engine  # noqa: E402
 from belief_lm.cli import main  # noqa: E402
 from belief_lm.model.pipeline import canonical_name  # noqa: E402
 from belief_lm.parallel.gather import gather_tensor_parallel  # noqa: E402
@@ -64,7 +63,7 @@ def recording(save):
 
 def run(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    belief_lm.preflight.use_bf16 = belief_lm.train.engine.use_bf16 = bf16_anywhere
+    belief_lm.preflight.use_bf16 = bf16_anywhere
     checkpointing.save = recording(checkpointing.save)
     for output_dir, overrides in spec["runs"].items():
         # no loader worker processes: a later run's workers, forked from this process,

@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from belief_lm.checkpoint.files import (
     CheckpointError,
@@ -73,11 +72,11 @@ def test_read_info_names_the_problem(tmp_path):
 def engine(single_process_group):
     """DeepSpeed's real single-process engine around a small model (ZeRO-1)."""
     from belief_lm.config import load_config
-    from belief_lm.train.engine import build_engine
     from tests.jobs import MICRO, ROOT
+    from tests.models import engine_for
 
     cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=1"])
-    return build_engine(cfg, single_process_group, 256, torch.device("cpu")).engine
+    return engine_for(cfg, single_process_group, 256).engine
 
 
 def saving(engine, root: Path, step: int) -> Path:

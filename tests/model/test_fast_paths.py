@@ -4,7 +4,7 @@ gradient of every parameter (fp32), from the same seed and tokens."""
 import pytest
 import torch
 
-from belief_lm.model.gpt import BeliefLM, set_activation_recompute, set_loss_chunking
+from belief_lm.model.gpt import BeliefLM
 from belief_lm.model.loss import IGNORE_INDEX
 from tests.models import assert_same, tiny_model
 
@@ -45,11 +45,9 @@ def test_chunked_loss_is_the_plain_loss(variant, tied):
     tokens = rows()
     tokens[0, 20:] = IGNORE_INDEX  # labels from position 19 on: padding
     inputs = tokens.clamp_min(0)
-    model = BeliefLM(cfg, VOCAB, seed=3)
 
     def run(chunk: int) -> tuple:
-        model.zero_grad(set_to_none=True)
-        set_loss_chunking(model, chunk)
+        model = BeliefLM(cfg, VOCAB, seed=3, loss_chunk_tokens=chunk)  # the same weights
         loss = model(inputs[:, :-1], tokens[:, 1:])
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -64,15 +62,15 @@ def test_chunked_loss_under_zero3(single_process_group):
     forward (and the tied embedding's where the output layer reads it) and frees them
     after: three steps of the chunked loss give the plain loss's losses."""
     from belief_lm.config import load_config
-    from belief_lm.train.engine import build_engine
     from tests.jobs import MICRO, ROOT
+    from tests.models import engine_for
 
     batches = [(r[:, :-1], r[:, 1:]) for r in (rows(seed) for seed in range(3))]
     losses = {}
     for chunk in (0, 23):
         overrides = ["model.num_layers=1", "parallel.zero_stage=3", "train.global_batch_size=2"]
         cfg = load_config(ROOT / MICRO, [*overrides, f"train.loss_chunk_tokens={chunk}"])
-        trainee = build_engine(cfg, single_process_group, VOCAB, torch.device("cpu"))
+        trainee = engine_for(cfg, single_process_group, VOCAB)
         losses[chunk] = [trainee.train_step(iter([batch])).item() for batch in batches]
         trainee.engine.destroy()
     assert losses[23] == pytest.approx(losses[0], rel=1e-5)
@@ -94,8 +92,9 @@ def test_compiled_layers_are_the_eager_layers(variant, recompute, options):
 
     counters.clear()
     eager = BeliefLM(tiny_model(variant), VOCAB, seed=3)
-    compiled = BeliefLM(tiny_model(variant, compile="layer", **options), VOCAB, seed=3)
-    set_activation_recompute(compiled, recompute)
+    compiled = BeliefLM(
+        tiny_model(variant, compile="layer", **options), VOCAB, seed=3, recompute=recompute
+    )
     assert_same(loss_and_grads(compiled, rows()), loss_and_grads(eager, rows()))
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     with torch.no_grad():

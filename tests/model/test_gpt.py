@@ -5,7 +5,7 @@ import torch
 
 from belief_lm.config import ModelConfig, load_config, padded_vocab_size
 from belief_lm.model.attention_layer import FamilyCoreAttention
-from belief_lm.model.gpt import BeliefLM, DecoderLayer, set_activation_recompute
+from belief_lm.model.gpt import BeliefLM, DecoderLayer
 from belief_lm.parallel.gather import count_model_parameters
 from belief_lm.variants import VARIANTS
 from tests.models import tiny_model
@@ -137,8 +137,7 @@ def test_recompute_gives_the_same_gradients(variant, monkeypatch):
     rows = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     results = {}
     for mode in ("none", "selective", "full"):
-        model = BeliefLM(cfg, 256, seed=3)
-        set_activation_recompute(model, mode)
+        model = BeliefLM(cfg, 256, seed=3, recompute=mode)
         calls.update(layer=0, core=0)
         loss = model(rows[:, :-1], rows[:, 1:])
         loss.backward()

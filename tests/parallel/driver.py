@@ -4,7 +4,7 @@
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --save-at K
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --resume CHECKPOINT
 
-Builds the engine exactly as training does (belief_lm.train.engine.build_engine) and runs
+Builds the engine exactly as training does (build_engine, through tests.models.engine_for) and runs
 a few steps with train_step, on data that depends only on (step, global sequence index),
 so every layout sees the same global batch. Records on every rank: the global-batch loss
 of each step, the full gradient of every parameter just before each optimizer step
@@ -35,7 +35,7 @@ from belief_lm.parallel.setup import init_distributed, init_model_parallel  # no
 from belief_lm.preflight import plan_resume  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
 from belief_lm.train import checkpointing  # noqa: E402
-from belief_lm.train.engine import build_engine  # noqa: E402
+from tests.models import engine_for  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
 
@@ -99,9 +99,7 @@ def run(
     layout = init_model_parallel(tp, pp)
     # the synthetic data below resumes at any data-parallel size: only the weights' checks
     plan = plan_resume(cfg, ParallelDims(dist.get_world_size(), tp, pp))
-    trainee = build_engine(
-        cfg, layout, VOCAB, torch.device("cpu"), plan is not None and plan.other_layout
-    )
+    trainee = engine_for(cfg, layout, VOCAB, load_universal=plan is not None and plan.other_layout)
     engine = trainee.engine
     data = GlobalBatches(engine.gradient_accumulation_steps())
     first = 0

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from belief_lm.model.gpt import BeliefLM, set_loss_chunking  # noqa: E402
+from belief_lm.model.gpt import BeliefLM  # noqa: E402
 from belief_lm.parallel.env import detect  # noqa: E402
 from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
@@ -36,8 +36,7 @@ def tokens() -> torch.Tensor:
 
 def loss_and_grads(options: dict, chunk: int, tensor_parallel: int) -> tuple:
     cfg = tiny_model("belief_star", tie_embeddings=False, **options)
-    model = BeliefLM(cfg, VOCAB, tensor_parallel, seed=SEED)
-    set_loss_chunking(model, chunk)
+    model = BeliefLM(cfg, VOCAB, tensor_parallel, seed=SEED, loss_chunk_tokens=chunk)
     rows = tokens()
     loss = model(rows[:, :-1], rows[:, 1:])
     loss.backward()

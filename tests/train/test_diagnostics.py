@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from belief_lm.config import load_config
+from belief_lm.model.attention_layer import CAPTURE
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.train.diagnostics import belief_diagnostics
 
@@ -18,15 +19,17 @@ def test_matches_direct_computation(single_process_group):
     model = BeliefLM(cfg.model.model_copy(update={"attention": "belief"}), 256, seed=0)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     stats = belief_diagnostics(_Engine(model), tokens, tokens, pipelined=False)
+    assert model.training  # restored
 
     # recompute layer 2's numbers by hand from MH, V and the input to layer 2
     captured, x = {}, model.layers[0](model.embedding(tokens)).detach()
     attention = model.layers[1].self_attention
-    attention.core_attention.capture = captured
+    scope = CAPTURE.set(captured)
     with torch.no_grad():
+        model.eval()
         model.layers[1](x)
-    attention.core_attention.capture = None
-    mh, v = captured["mh"].double(), captured["v"].double()
+    CAPTURE.reset(scope)
+    mh, v = captured[2]["mh"].double(), captured[2]["v"].double()
     delta = mh - ((mh * v).sum(-1) / (v * v).sum(-1)).unsqueeze(-1) * v
     wo = attention.linear_proj.weight.detach().double()
     expected_ratio = (delta.norm(dim=-1) / mh.norm(dim=-1)).mean()
@@ -35,4 +38,3 @@ def test_matches_direct_computation(single_process_group):
     assert abs(stats["layer2/delta_over_mh"] - float(expected_ratio)) < 1e-5
     assert abs(stats["layer2/cos_delta_wo_x"] - float(expected_cos)) < 1e-5
     assert abs(stats["layer2/cos_mh_wo_x"] - float(expected_cos_mh)) < 1e-5
-    assert model.training  # restored

@@ -1,0 +1,74 @@
+"""What belief_lm/compat.py assumes of megatron-core's and DeepSpeed's private parts, checked
+against the installed versions: an upgrade that breaks one fails here, by name."""
+
+import inspect
+
+import pytest
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from belief_lm import compat
+from belief_lm.config import load_config
+from tests.jobs import MICRO, ROOT
+from tests.models import engine_for
+
+
+def test_megatron_row_linear_takes_its_group_in_its_private_gemm_call():
+    parameters = inspect.signature(RowParallelLinear._forward_impl).parameters
+    assert "tp_group" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()), (
+        "RowParallelLinear._forward_impl no longer takes tp_group: compat.RowLinear"
+    )
+    source = inspect.getsource(RowParallelLinear.forward)
+    assert "_forward_impl(" in source, "RowParallelLinear.forward no longer calls _forward_impl"
+
+
+def test_megatron_column_linear_reads_allreduce_dgrad_at_forward():
+    source = inspect.getsource(ColumnParallelLinear.forward)
+    assert "self.allreduce_dgrad" in source, (
+        "ColumnParallelLinear.forward no longer reads allreduce_dgrad: compat.ColumnLinear"
+    )
+
+
+def test_megatron_linears_put_empty_extra_state_into_state_dicts(single_process_group):
+    from belief_lm.model.gpt import BeliefLM
+    from tests.models import tiny_model
+
+    model = BeliefLM(tiny_model("softmax"), 64)
+    keys = [k for k, v in model.state_dict().items() if k.endswith("._extra_state")]
+    assert keys, "megatron no longer writes _extra_state: drop compat.drop_empty_extra_state"
+    for module in model.modules():
+        module.register_state_dict_post_hook(compat.drop_empty_extra_state)
+    assert not any(k.endswith("._extra_state") for k in model.state_dict())
+
+
+def test_deepspeed_lists_the_shm_op_it_may_build():
+    import deepspeed.ops
+
+    assert "deepspeed_shm_comm" in deepspeed.ops.__compatible_ops__, (
+        "deepspeed.ops.__compatible_ops__ has no deepspeed_shm_comm: compat.disable_shm_comm"
+    )
+
+
+def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_group):
+    """ZeRO-0 in fp32: we clip in the optimizer's pre-step hook and hand the norm over;
+    the engine's get_global_grad_norm() must be that norm."""
+    cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=0"])
+    trainee = engine_for(cfg, single_process_group, 256)
+    seen = []
+    original = compat.report_grad_norm
+
+    def recording(optimizer, norm):
+        seen.append(norm)
+        original(optimizer, norm)
+
+    compat.report_grad_norm = recording
+    try:
+        rows = torch.randint(0, 256, (cfg.train.micro_batch_size, 17))
+        trainee.train_step(iter([(rows[:, :-1], rows[:, 1:])] * 8))
+    finally:
+        compat.report_grad_norm = original
+        engine = trainee.engine
+    assert seen and engine.get_global_grad_norm() == pytest.approx(seen[-1]), (
+        "DeepSpeed's engine no longer takes its grad norm from optimizer._global_grad_norm"
+    )
+    engine.destroy()
