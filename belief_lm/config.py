@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from belief_lm.variants import AttentionVariant
+from belief_lm.variants import VARIANTS, AttentionVariant, Variant
 from data_pipeline.config import DataConfig, PositiveInt, Section
 
 
@@ -79,19 +79,17 @@ class ModelConfig(Section):
     """AttentionX's γ in Φ = γV - H, in (0, 1]."""
     beta: float = Field(1.0, ge=0)
     """Attention-BN's β weighting the key mean that recentres queries and keys."""
-    fused_projections: bool = False
-    """Compile the belief projections with torch.compile (fused kernels, same math; not
-    part of the architecture: a checkpoint resumes with either setting)."""
     fused_output_projection: bool = False
     """belief_star: compute Δ W^o + Δ^s W^s as one GEMM of [Δ, Δ^s] against [W^o | W^s]
     (concatenated at each call) instead of two GEMMs and an add; the same sum up to
     rounding, the same separately named weights (a checkpoint resumes with either setting).
     The other variants have one output GEMM already."""
-    compile: Literal["none", "layer"] = "none"
-    """layer: torch.compile each whole decoder layer's training forward and backward
-    (Inductor: norms, projections, attention and MLP as one graph); the same math, with
-    a compilation at the start. Evaluation and decoding stay eager. Not part of the
-    architecture: a checkpoint resumes with either setting."""
+    compile: Literal["none", "projections", "layer"] = "none"
+    """torch.compile, the same math: projections compiles the variant's residual signal
+    (belief's projections onto V: fused kernels); layer each whole decoder layer's training
+    forward and backward (Inductor: norms, projections, attention and MLP as one graph),
+    with a compilation at the start, evaluation and decoding eager. Not part of the
+    architecture: a checkpoint resumes with any setting."""
     sh_scales: list[PositiveInt] = Field(default_factory=lambda: [1, 1, 2, 4])
     """Attention-SH per-head downsampling factors, repeated across the heads (its length
     must divide num_attention_heads)."""
@@ -114,6 +112,11 @@ class ModelConfig(Section):
                 f"num_attention_heads ({heads})"
             )
         return self
+
+    @property
+    def variant(self) -> Variant:
+        """What the attention variant computes (variants.VARIANTS[attention])."""
+        return VARIANTS[self.attention]
 
     @property
     def query_groups(self) -> int:

@@ -274,7 +274,7 @@ def _core_activations(model: ModelConfig, q: int, recompute: str, wide: int) -> 
     output (flash kernels keep no score matrix) and the variant's residual signal; with
     selective recompute only the output it returns."""
     variant = model.attention
-    output = 2 * q if variant == "belief_star" else q
+    output = 2 * q if model.variant.extra_projection else q
     if recompute == "selective":
         return output
     extra = {
@@ -554,7 +554,7 @@ def step_time(
     tp = 0.0
     if layout.tensor > 1:
         per_layer = 6 if layout.recompute == "full" else 4
-        belief = model.attention in ("belief", "belief_star")
+        belief = model.variant.projects_onto_values
         small = layout.micro_batch * model.seq_length * 2 * 4 if belief else 0
         volume = layers * (per_layer * activation + 2 * small) + 2 * activation  # + embedding
         tp = micro * _all_reduce(volume, layout.tensor, within)

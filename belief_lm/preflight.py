@@ -26,7 +26,7 @@ from belief_lm.config import Config
 from belief_lm.parallel.dims import ParallelDims
 
 RUNTIME_ONLY = {
-    "model": {"name", "fused_projections", "fused_output_projection", "compile"},
+    "model": {"name", "fused_output_projection", "compile"},
     "data": {"num_workers", "max_skipped_fraction", "skip_check_min_rows", "on_corrupt_row_group"},
 }
 """Keys that do not change the architecture or the data's order (free to differ on resume)."""
@@ -126,7 +126,7 @@ def check_engine_settings(cfg: Config) -> None:
             "train_batch, and the step's loss leaves the last stage only after it, so a "
             "spike cannot be kept from the weights; use action log or stop"
         )
-    if model.compile != "none" and parallel.zero_stage == 3:
+    if model.compile == "layer" and parallel.zero_stage == 3:
         raise ValueError(
             f"model.compile={model.compile} cannot be combined with parallel.zero_stage=3: "
             "ZeRO-3 gathers each module's weights in hooks around its forward, and "

@@ -53,14 +53,14 @@ def main() -> None:
     )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument(
-        "--fused", action="store_true", help="model.fused_projections=true (torch.compile)"
+        "--fused", action="store_true", help="model.compile=projections (torch.compile)"
     )
     parser.add_argument("--out", default=None)
     parser.add_argument("overrides", nargs="*", help="model overrides (default: a small CPU size)")
     args = parser.parse_args()
 
     overrides = args.overrides or (SMALL_CPU_MODEL if args.device == "cpu" else [])
-    fused = ["model.fused_projections=true"] if args.fused else []
+    fused = ["model.compile=projections"] if args.fused else []
     model_cfg = load_config(args.model, [*overrides, *fused]).model
     device = select_device(args.device)
     single_process_groups()

@@ -13,7 +13,7 @@ the NCCL process group (TP=1).
 
 Throughput: each model x attention x option set (OPTION_SETS by name: plain, fused, the
 other fast paths one at a time, all of them as `tuned`; or named config overrides, e.g.
-fused=model.fused_projections=true) at the preset's sequence length and the largest
+fused=model.compile=projections) at the preset's sequence length and the largest
 micro-batch that fits (doubling until out of memory, then one step between), timed as the
 trainer runs: `build_engine` (DeepSpeed, bf16, ZeRO-1, the project's AdamW) and the loop's
 own `train_step`, on synthetic tokens (no data loading: the loader's workers run ahead of
@@ -63,7 +63,7 @@ MODELS = {
 }
 ATTENTIONS = ["softmax", "belief", "belief_star"]
 FAST_PATHS = [
-    "model.fused_projections=true", "model.fused_output_projection=true",
+    "model.compile=projections", "model.fused_output_projection=true",
     "train.loss_chunk_tokens=4096", "model.compile=layer",
 ]  # fmt: skip
 OPTION_SETS = {
@@ -281,7 +281,7 @@ def correctness(bench: Bench, layout) -> dict:
     checks = {"process_group": process_group(bench.device)}
     print("process group:", checks["process_group"], flush=True)
     checks["bf16_vs_fp32"] = bf16_against_fp32(bench, layout)
-    fused = any("model.fused_projections=true" in o for o in bench.args.options.values())
+    fused = any("model.compile=projections" in o for o in bench.args.options.values())
     checks["sdpa_kernels"], checks["belief_inner_products"] = {}, {}
     for preset in bench.args.models:
         kernels, products = attention_checks(bench, preset, fused)
@@ -494,7 +494,7 @@ def measure(bench: Bench, trainee, cfg: Config, micro_batch: int) -> dict:
     tflops = flops_per_token(cfg.model, cfg.model.vocab_size) * tokens_per_s / 1e12
     peak = peak_tflops(device, None)
     return {
-        "fused": cfg.model.fused_projections,
+        "fused": cfg.model.compile == "projections",
         "micro_batch": micro_batch,
         "seq_length": seq,
         "step_time_s": step,

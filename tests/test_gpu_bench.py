@@ -114,11 +114,11 @@ def test_option_sets_by_name_or_overrides():
     assert {*gpu.OPTIONS, *gpu.SMOKE_OPTIONS} <= gpu.OPTION_SETS.keys()
     for overrides in gpu.OPTION_SETS.values():
         load_config("configs/tiny.yaml", overrides)  # every key exists, every value is valid
-    for text in ("=model.fused_projections=true", "fast"):
+    for text in ("=model.compile=projections", "fast"):
         with pytest.raises(SystemExit, match="expected one of plain, fused"):
             gpu.parse_option(text)
-    assert gpu.parse_option("fused=model.fused_projections=true,train.adamw_kernel=fused") == (
-        "fused", ["model.fused_projections=true", "train.adamw_kernel=fused"]
+    assert gpu.parse_option("fused=model.compile=projections,train.adamw_kernel=fused") == (
+        "fused", ["model.compile=projections", "train.adamw_kernel=fused"]
     )  # fmt: skip
     assert gpu.parse_option("plain=") == ("plain", [])
 

@@ -39,7 +39,7 @@ def universal_info(model: ModelConfig) -> dict:
     if model.position_embedding == "learned_absolute":
         replicated.append(r".*position_embeddings\.weight$")
     row_parallel = [r".*linear_proj\.weight$", r".*linear_fc2\.weight$"]
-    if model.attention == "belief_star":
+    if model.variant.extra_projection:
         row_parallel.append(r".*linear_proj\.w_s\.weight$")
     info = {
         ds.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds.UNIVERSAL_CHECKPOINT_VERSION_VALUE,

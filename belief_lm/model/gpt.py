@@ -41,7 +41,6 @@ from belief_lm.config import ModelConfig
 from belief_lm.model.attention_layer import DECODING, BeliefStarProjection, core_attention_spec
 from belief_lm.model.loss import chunked_lm_loss, lm_loss
 from belief_lm.runtime import derived_seed
-from belief_lm.variants import VARIANTS
 
 
 def transformer_config(cfg: ModelConfig, tensor_parallel: int = 1) -> TransformerConfig:
@@ -85,13 +84,13 @@ def decoder_layer_spec(cfg: ModelConfig, recompute: str = "none") -> ModuleSpec:
     spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = core_attention_spec(
-        cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.fused_projections,
+        cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.compile == "projections",
         recompute=recompute == "selective",
     )  # fmt: skip
     if cfg.compile == "layer":  # megatron's own otherwise: its private call is overridden
         attention.linear_proj = spec.submodules.mlp.submodules.linear_fc2 = RowLinear
         attention.linear_qkv = spec.submodules.mlp.submodules.linear_fc1 = ColumnLinear
-    if cfg.attention == "belief_star":
+    if cfg.variant.extra_projection:
         fused = cfg.fused_output_projection
         attention.linear_proj = ModuleSpec(module=BeliefStarProjection, params={"fused": fused})
     return spec
@@ -308,5 +307,5 @@ class BeliefLM(MegatronModule):
     def decode_cache(self) -> DecodeCache:
         """An empty cache for decoding with `forward(tokens, cache=...)`."""
         model = self.model_config
-        mixing = VARIANTS[model.attention][0]
+        mixing = model.variant.mixing
         return DecodeCache(model.num_layers, mixing, model.head_scales)

@@ -35,7 +35,7 @@ def layer_matmul_weights(model: ModelConfig) -> int:
     """Matmul weights of one decoder layer: QKV, W^o (and belief_star's W^s), the MLP."""
     hidden, ffn = model.hidden_size, model.ffn_size
     qkv = hidden * (model.num_attention_heads + 2 * model.query_groups) * model.head_dim
-    out = hidden * hidden * (2 if model.attention == "belief_star" else 1)
+    out = hidden * hidden * (2 if model.variant.extra_projection else 1)
     mlp = hidden * ffn * (3 if model.activation == "swiglu" else 2)
     return qkv + out + mlp
 

@@ -74,7 +74,8 @@ class BeliefLMAttention(nn.Module):
     def __init__(self, config: BeliefLMConfig):
         super().__init__()
         self.config = config
-        self.mixing, self.residual = VARIANTS[config.attention]
+        self.variant = VARIANTS[config.attention]
+        self.mixing, self.residual = self.variant
         self.heads, self.groups = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.hidden_size // self.heads
         width, bias = config.hidden_size, config.bias
@@ -82,7 +83,7 @@ class BeliefLMAttention(nn.Module):
         self.k_proj = nn.Linear(width, self.groups * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(width, self.groups * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, width, bias=bias)  # W^o
-        if self.residual == "belief_star":
+        if self.variant.extra_projection:
             self.s_proj = nn.Linear(self.heads * self.head_dim, width, bias=False)  # W^s
 
     def forward(
@@ -100,7 +101,7 @@ class BeliefLMAttention(nn.Module):
         )
         v_heads = heads_from_groups(v, self.heads)
         signal = residual_signal(h.transpose(1, 2), v_heads.transpose(1, 2), self.residual, c.gamma)
-        if self.residual != "belief_star":
+        if not self.variant.extra_projection:
             return self.o_proj(signal)
         delta, delta_s = signal.chunk(2, dim=-1)
         return self.o_proj(delta) + self.s_proj(delta_s)
