@@ -72,8 +72,9 @@ class Machine:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One candidate: how the GPUs split, how much each keeps, what it recomputes."""
+class Candidate:
+    """One candidate layout: how the GPUs split, how much each keeps, what it recomputes
+    (a layout the planner weighs; parallel.dims.Layout is a running rank's)."""
 
     tensor: int
     pipeline: int
@@ -116,7 +117,7 @@ class Memory:
 class Estimate:
     """A layout's predicted memory and speed."""
 
-    layout: Layout
+    layout: Candidate
     memory: Memory
     fits: bool
     step_time_s: float
@@ -177,7 +178,7 @@ def layouts(
                     except ValueError:
                         continue
                     for mode in recompute:
-                        yield Layout(tensor, pipeline, dims.data, zero, micro, mode, accumulation)
+                        yield Candidate(tensor, pipeline, dims.data, zero, micro, mode, accumulation)
 
 
 def run_vocab_size(cfg: Config) -> int:
@@ -304,7 +305,7 @@ def head_activations(
 
 
 def loss_backward_bytes(
-    model: ModelConfig, vocab_size: int, layout: Layout, bf16: bool, chunk_tokens: int
+    model: ModelConfig, vocab_size: int, layout: Candidate, bf16: bool, chunk_tokens: int
 ) -> float:
     """What the loss's backward allocates beyond head_activations, before the output
     weight's gradient: in bf16 the logits' gradient (the fp32 softmax's, cast). Chunked: one
@@ -324,7 +325,7 @@ def loss_backward_bytes(
 
 
 def memory(
-    cfg: Config, layout: Layout, vocab_size: int, bf16: bool, stage: int | None = None
+    cfg: Config, layout: Candidate, vocab_size: int, bf16: bool, stage: int | None = None
 ) -> Memory:
     """Peak bytes on one GPU of `stage` (None: the most loaded stage)."""
     if stage is None:
@@ -426,7 +427,7 @@ class _State:
     startup: float
 
 
-def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _State:
+def _optimizer_state(params: int, layout: Candidate, bf16: bool, largest: int) -> _State:
     """DeepSpeed 0.19's engines, as their code allocates and bench/memory.py measured:
 
     - ZeRO-0, fp32: the torch optimizer on the module's parameters: fp32 gradients and
@@ -506,7 +507,7 @@ def _optimizer_state(params: int, layout: Layout, bf16: bool, largest: int) -> _
 
 
 def estimate(
-    cfg: Config, layout: Layout, machine: Machine, vocab_size: int, bf16: bool
+    cfg: Config, layout: Candidate, machine: Machine, vocab_size: int, bf16: bool
 ) -> Estimate:
     """Memory and step time of one layout."""
     mem = memory(cfg, layout, vocab_size, bf16)
@@ -518,7 +519,7 @@ def estimate(
 
 
 def step_time(
-    cfg: Config, layout: Layout, machine: Machine, vocab_size: int, bf16: bool
+    cfg: Config, layout: Candidate, machine: Machine, vocab_size: int, bf16: bool
 ) -> tuple[float, float]:
     """(compute, communication) seconds of one optimizer step on every GPU.
 

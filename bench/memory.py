@@ -131,7 +131,7 @@ def measure(case: dict, tries: int = 2) -> list[dict]:
 def predict(case: dict, measured: dict) -> dict:
     """belief_lm.plan's numbers for the case, its step time at the rates measured here."""
     cfg = load_config(f"configs/model/{case['model']}.yaml", overrides(case))
-    layout = plan.Layout(
+    layout = plan.Candidate(
         case["tensor"], case.get("pipeline", 1), case["data"], case["zero"],
         cfg.train.micro_batch_size, case["recompute"], case.get("accumulation", 1),
     )  # fmt: skip
