@@ -178,7 +178,9 @@ def layouts(
                     except ValueError:
                         continue
                     for mode in recompute:
-                        yield Candidate(tensor, pipeline, dims.data, zero, micro, mode, accumulation)
+                        yield Candidate(
+                            tensor, pipeline, dims.data, zero, micro, mode, accumulation
+                        )
 
 
 def run_vocab_size(cfg: Config) -> int:
