@@ -15,6 +15,7 @@ from belief_lm.checkpoint.files import (
     newest_checkpoint,
     read_info,
 )
+from belief_lm.checkpoint.manifest import seal
 from belief_lm.checkpoint.store import save
 
 INFO = {
@@ -34,6 +35,7 @@ def make(root, step, complete=True, run_json=None):
         (path / "run.json").write_text(run_json)
     elif complete:
         (path / "run.json").write_text(json.dumps({"step": step, **INFO}))
+    seal(path)  # as belief-lm's save would (a corrupt run.json: as saved so)
     return path
 
 

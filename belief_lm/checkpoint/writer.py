@@ -1,0 +1,173 @@
+"""Writing one rank's checkpoint files, checksummed, now or in the background.
+
+DeepSpeed's engine writes every file of a checkpoint through its checkpoint engine
+(`engine.checkpoint_engine.save(state, path)`; `deepspeed.runtime.checkpoint_engine`).
+`CheckpointWriter` is belief-lm's, put in place by `install`:
+- every file is recorded with its size and CRC-32, computed from the bytes on their way
+  to the file (no second read), and synced to disk before it counts as written;
+- with `background=True`, `save` copies the state to host memory and returns; one thread
+  writes the copies in order while training goes on, and `join` waits for them. The copy
+  is the only pause training takes: device to (pinned) host memory on a GPU, a memory copy
+  on a CPU, one more copy of this rank's checkpoint state held until it is written.
+DeepSpeed's own asynchronous engines do not fit here: the decoupled and fast writers need
+its compiled async-I/O ops (not built on a CPU install), Nebula and DataStates external
+services; torch's async `dcp.async_save` writes another format than the one every tool
+of belief-lm reads (consolidate.py, universal.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+from belief_lm.checkpoint.manifest import ChecksummingFile, FileRecord
+
+HOLD_ENV = "BELIEF_LM_TEST_HOLD_WRITES"
+"""Test hook: a directory. A background write of checkpoint step_N, after its first file,
+waits while `<directory>/step_N` exists, so a test can signal or kill a run in the middle
+of a background write (tests/checkpoint/test_async_save.py). Unset: no effect."""
+
+
+class CheckpointWriter(CheckpointEngine):
+    """DeepSpeed's checkpoint engine for belief-lm (see the module docstring). `records`
+    are the files written since the last `take_records`, by path."""
+
+    def __init__(self, background: bool = False):
+        super().__init__()
+        self.name = "belief-lm"
+        self.background = background
+        self.records: dict[Path, FileRecord] = {}
+        self._pool = ThreadPoolExecutor(1, "checkpoint-writer") if background else None
+        self._queued: list[Future] = []
+        hold = os.environ.get(HOLD_ENV)
+        self._hold = Path(hold) if hold else None
+        self._started: set[str] = set()  # checkpoints whose first file was written (hook)
+
+    # DeepSpeed's interface
+    def create(self, info) -> None:
+        pass
+
+    def save(self, state_dict, path: str) -> None:
+        if self._pool is None:
+            self._write(Path(path), state_dict)
+            return
+        # The host copy is taken now (training may change the state as soon as this returns)
+        snapshot = host_copy(state_dict)
+        self._queued.append(self._pool.submit(self._write, Path(path), snapshot))
+
+    def load(self, path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info) -> bool:
+        return True  # publication is store.py's, once every rank's files are written
+
+    def preserves_storage_sharing(self) -> bool:
+        # True: DeepSpeed clones a tensor viewing a larger buffer (pipeline layer files) so
+        # the file holds the tensor, not the buffer. In the background, host_copy does that.
+        return not self.background
+
+    # belief-lm's
+    def done(self) -> bool:
+        """Whether every queued write has ended (written or failed)."""
+        return all(future.done() for future in self._queued)
+
+    def join(self) -> BaseException | None:
+        """Wait for every queued write; the first one's failure, if any failed."""
+        failure = None
+        for future in self._queued:
+            error = future.exception()
+            failure = failure or error
+        return failure
+
+    def failure(self) -> BaseException | None:
+        """The first failure among the writes that ended (None: none failed yet)."""
+        for future in self._queued:
+            if future.done() and future.exception() is not None:
+                return future.exception()
+        return None
+
+    def take_records(self) -> dict[Path, FileRecord]:
+        """The records of the files written since the last call (after `join`)."""
+        records, self.records = self.records, {}
+        self._queued = []
+        return records
+
+    def _write(self, path: Path, state) -> None:
+        self._wait_if_held(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as file:
+            out = ChecksummingFile(file)
+            torch.save(state, out)
+            file.flush()
+            os.fsync(file.fileno())  # written means on disk: the manifest will vouch for it
+        self.records[path] = out.record()
+
+    def _wait_if_held(self, path: Path) -> None:
+        if self._hold is None or not self.background:
+            return
+        tmp = next((part for part in path.parts if part.startswith(".tmp-")), None)
+        if tmp is None:
+            return
+        name = tmp.removeprefix(".tmp-")
+        if name not in self._started:
+            self._started.add(name)  # its first file is written at once
+            return
+        while (self._hold / name).exists():
+            time.sleep(0.05)
+
+
+def host_copy(state):
+    """A copy of `state` (nested dicts, lists, tuples) whose tensors are copies in host
+    memory, each holding only its own elements (a view of a larger buffer is copied
+    compactly, as DeepSpeed's clone_tensors_for_torch_save does); a tensor appearing twice
+    is copied once. Other values are deep-copied."""
+    memo: dict[int, object] = {}
+    copied = _copy(state, memo)
+    if any(isinstance(t, torch.Tensor) and t.is_pinned() for t in memo.values()):
+        torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+    return copied
+
+
+def _copy(value, memo: dict[int, object]):
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if tensor.is_cuda:  # pinned host memory: the copy runs at full bandwidth, async
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            out.copy_(tensor, non_blocking=True)
+        else:
+            out = tensor.clone()
+        result = out
+    elif isinstance(value, dict):
+        result = value.copy()  # keeps the type (OrderedDict, defaultdict)
+        for key in result:
+            result[key] = _copy(value[key], memo)
+    elif isinstance(value, list):
+        result = [_copy(item, memo) for item in value]
+    elif isinstance(value, tuple):
+        items = [_copy(item, memo) for item in value]
+        result = type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    else:
+        result = copy.deepcopy(value)
+    memo[id(value)] = result
+    return result
+
+
+def install(engine, writer: CheckpointWriter) -> None:
+    """Make `writer` the checkpoint engine of DeepSpeed engine `engine` (before its first
+    save or load). DeepSpeed builds its engine's checkpoint engine from the config and has
+    no argument for one of our own; `checkpoint_engine` is the public attribute its
+    save_checkpoint and load_checkpoint use (and its own engines replace)."""
+    if not isinstance(getattr(engine, "checkpoint_engine", None), CheckpointEngine):
+        raise RuntimeError(
+            "this DeepSpeed engine has no `checkpoint_engine` (CheckpointEngine): belief-lm "
+            "writes checkpoints through it; check the DeepSpeed version"
+        )
+    engine.checkpoint_engine = writer
