@@ -124,12 +124,13 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
             self.root.mkdir(parents=True, exist_ok=True)
         dist.barrier()
+        self.writer.deferring = self.writer.background and not wait
         self.engine.save_checkpoint(
             str(self.root), tag=tmp.name, client_state=client_state, save_latest=False
         )
         self.writer.save(rank_state, str(tmp / "run_state" / f"rank{rank:05d}.pt"))
         self.pending = Pending(tmp, final, info, extra_files if rank == 0 else {}, started)
-        if wait or not self.writer.background:
+        if not self.writer.deferring:
             return self.wait()
         log.info(
             "checkpoint %s: copied to host memory in %.2f s (the pause training takes); "
@@ -201,7 +202,7 @@ class Checkpointer:
             raise failure
         if outcome[0] is not None:
             raise CheckpointWriteError(f"publishing {pending.final} failed on rank 0: {outcome[0]}")
-        how = " (written in the background)" if self.writer.background else ""
+        how = " (written in the background)" if self.writer.deferring else ""
         # how long a stop signal's save takes: the grace period a cluster must give (README)
         seconds = time.perf_counter() - pending.started
         log.info("saved checkpoint %s in %.1f s%s", pending.final, seconds, how)

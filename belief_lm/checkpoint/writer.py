@@ -42,6 +42,10 @@ class CheckpointWriter(CheckpointEngine):
         super().__init__()
         self.name = "belief-lm"
         self.background = background
+        """Whether this writer writes in the background (a thread of its own)."""
+        self.deferring = background
+        """Whether the next `save`s go to the background (a save about to be waited for is
+        written at once: no host copy needed)."""
         self.records: dict[Path, FileRecord] = {}
         self._pool = ThreadPoolExecutor(1, "checkpoint-writer") if background else None
         self._queued: list[Future] = []
@@ -54,7 +58,7 @@ class CheckpointWriter(CheckpointEngine):
         pass
 
     def save(self, state_dict, path: str) -> None:
-        if self._pool is None:
+        if not self.deferring:
             self._write(Path(path), state_dict)
             return
         # The host copy is taken now (training may change the state as soon as this returns)
@@ -70,7 +74,7 @@ class CheckpointWriter(CheckpointEngine):
     def preserves_storage_sharing(self) -> bool:
         # True: DeepSpeed clones a tensor viewing a larger buffer (pipeline layer files) so
         # the file holds the tensor, not the buffer. In the background, host_copy does that.
-        return not self.background
+        return not self.deferring
 
     # belief-lm's
     def done(self) -> bool:
@@ -109,7 +113,7 @@ class CheckpointWriter(CheckpointEngine):
         self.records[path] = out.record()
 
     def _wait_if_held(self, path: Path) -> None:
-        if self._hold is None or not self.background:
+        if self._hold is None or not self.deferring:
             return
         tmp = next((part for part in path.parts if part.startswith(".tmp-")), None)
         if tmp is None:
@@ -153,7 +157,8 @@ def _copy(value, memo: dict[int, object]):
         result = [_copy(item, memo) for item in value]
     elif isinstance(value, tuple):
         items = [_copy(item, memo) for item in value]
-        result = type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        # a namedtuple takes its fields, another tuple subclass (torch.Size) an iterable
+        result = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     else:
         result = copy.deepcopy(value)
     memo[id(value)] = result
