@@ -169,11 +169,18 @@ def test_a_background_save_holds_the_state_of_its_step(engine, tmp_path, monkeyp
     assert read_latest(tmp_path / "later") is None
     (hold / "step_000005").unlink()
     assert later.wait() == path and read_latest(tmp_path / "later") == path.name
+    assert not problems(path, checksums=True)
+    assert_same_checkpoint(now, path, same_process=True)
+    # the next background save copies into the same host buffers: the state of its step
+    info = CheckpointInfo(step=6, **INFO)
+    again = later.save(info, state, {}, {}, wait=False)
+    assert later.wait() == again
+    reference = Checkpointer(engine, tmp_path / "now", keep=2).save(info, state, {}, {})
     with torch.no_grad():
         for p, value in zip(params, before, strict=True):
             p.copy_(value)
-    assert not problems(path, checksums=True)
-    assert_same_checkpoint(now, path, same_process=True)
+    assert_same_checkpoint(reference, again, same_process=True)
+    assert not problems(again, checksums=True) and not problems(path, checksums=True)
 
 
 def test_keep_counts_only_intact_checkpoints(tmp_path):
