@@ -15,11 +15,13 @@ belief-lm's Checkpointer to the local disk (each file synced before it counts). 
   for its CRC-32 on 1 and 4 threads (the page cache holds the files just written: a cold
   read is the disk's);
 - load: DeepSpeed's load_checkpoint of it into the engine (warm page cache);
-- async: the time `save(wait=False)` takes (the copy to host memory: the stall), then the
-  steps trained while the thread writes, until the ranks' agreement publishes it: the
-  background write's duration and how much longer those steps took than steps without a
-  write (on this machine's two shared cores the writer competes with training for them; a
-  GPU computes while the host writes).
+- async: the time `save(wait=False)` takes (the copy to host memory: the stall training
+  takes; the first save also allocates the host buffers the later ones reuse), then the
+  steps trained while the thread writes, until the poll after a step publishes it: the
+  background write's wall time and CPU time, and the steps' time during it against steps
+  right after it. On this machine's two cores, shared with other work, the writer's CPU
+  time competes with training's (a GPU computes while the host writes), and step times
+  drift with the other work: the load average is recorded.
 llama-1b does not fit here whole (1.24B parameters x 20 bytes of fp32 training state, plus
 16 for the host copy of an async save, against 23 GB of RAM): it is measured at 2 of its 16
 layers, so mostly its 263M-parameter embedding. Writes bench/results/checkpoint_cpu.json
@@ -68,6 +70,14 @@ moves ~50 GB/s at best; 20 leaves room for eight GPUs sharing host memory bandwi
 GPUS_PER_NODE = 8
 
 
+def rss_gb() -> float:
+    """This process's resident memory now, GB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    return float("nan")
+
+
 def worker(model: str, out: Path, scratch: Path) -> None:
     """Measure one model (in this process) and write its record to `out`."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -104,7 +114,8 @@ def worker(model: str, out: Path, scratch: Path) -> None:
     for _ in range(2):  # Adam's moments exist after the first step
         step()
     step_s = statistics.median(step() for _ in range(BASELINE_STEPS))
-    print(f"{model}: {trainee.parameters:,} parameters, step {step_s:.2f} s", flush=True)
+    print(f"{model}: {trainee.parameters:,} parameters, step {step_s:.2f} s, "
+          f"{rss_gb():.1f} GB resident", flush=True)  # fmt: skip
     extra = {"config.yaml": cfg.to_yaml().encode()}
 
     def info(n: int) -> CheckpointInfo:
@@ -127,7 +138,8 @@ def worker(model: str, out: Path, scratch: Path) -> None:
         started = time.perf_counter()
         engine.load_checkpoint(str(path.parent), tag=path.name)
         loads.append(time.perf_counter() - started)
-        print(f"  sync save {saves[-1]:.1f} s, load {loads[-1]:.1f} s", flush=True)
+        print(f"  sync save {saves[-1]:.1f} s, load {loads[-1]:.1f} s, {rss_gb():.1f} GB "
+              "resident", flush=True)  # fmt: skip
     records = manifest.read_manifest(path)
     size = sum(r.size for r in records.values())
     record.update(
@@ -142,6 +154,7 @@ def worker(model: str, out: Path, scratch: Path) -> None:
     background = Checkpointer(engine, root / "async", keep=1, background=True)
     runs = []
     for n in range(1, ASYNC_REPEATS + 1):
+        cpu_before = background.writer.cpu_seconds
         started = time.perf_counter()
         path = background.save(info(n), {"rng": rng_state()}, extra, {}, wait=False)
         copy_s = time.perf_counter() - started
@@ -152,12 +165,15 @@ def worker(model: str, out: Path, scratch: Path) -> None:
                 break
         write_s = time.perf_counter() - started
         assert not problems(path, checksums=True)
-        slower = sum(during) - len(during) * step_s
+        # steps without a write right after: the baseline of this run (the machine is shared)
+        alone = statistics.median(step() for _ in range(BASELINE_STEPS))
+        slower = sum(during) - len(during) * alone
         runs.append({"copy_s": copy_s, "write_s": write_s, "steps_during": len(during),
-                     "step_s_during": statistics.mean(during),
-                     "stall_s": copy_s + max(0.0, slower)})  # fmt: skip
+                     "writer_cpu_s": background.writer.cpu_seconds - cpu_before,
+                     "step_s_during": statistics.median(during), "step_s_after": alone,
+                     "slower_steps_s": slower})  # fmt: skip
         print(f"  async copy {copy_s:.2f} s, written in {write_s:.1f} s over "
-              f"{len(during)} steps", flush=True)  # fmt: skip
+              f"{len(during)} steps, {rss_gb():.1f} GB resident", flush=True)  # fmt: skip
     # the first save allocates its host buffers (page faults); the later ones reuse them
     record["async"] = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
     record["async"]["first_copy_s"] = runs[0]["copy_s"]
@@ -207,22 +223,21 @@ def project(results: list[dict]) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| model | parameters | checkpoint | bytes/param | sync save (stall) | load "
-        "| verify: sizes / CRC-32 1 thread / 4 threads | async stall (copy + slower steps) "
-        "| async first copy | async write (steps during) |",
+        "| model | parameters | checkpoint | bytes / parameter | sync save = stall | load "
+        "| verify: sizes / CRC-32, 1 thread / 4 threads | async stall: copy (first save) "
+        "| async write: wall (its CPU) | step alone / during the write |",
         "|---" * 10 + "|",
     ]
     for r in results:
         v, a = r["verify_s"], r["async"]
         lines.append(
             f"| {r['model']} | {r['parameters'] / 1e6:,.0f}M "
-            f"| {r['checkpoint_bytes'] / 1e9:.2f} GB "
-            f"| {r['bytes_per_parameter']:.2f} | {r['sync_save_s']:.1f} s "
-            f"({r['sync_write_gbs']:.2f} GB/s) | {r['load_s']:.1f} s "
+            f"| {r['checkpoint_bytes'] / 1e9:.2f} GB | {r['bytes_per_parameter']:.2f} "
+            f"| {r['sync_save_s']:.1f} s ({r['sync_write_gbs']:.2f} GB/s) | {r['load_s']:.1f} s "
             f"| {v['sizes'] * 1e3:.1f} ms / {v['crc32_1_thread']:.1f} s / "
-            f"{v['crc32_4_threads']:.1f} s | {a['stall_s']:.1f} s ({a['copy_s']:.2f} + "
-            f"{a['stall_s'] - a['copy_s']:.1f}) | {a['first_copy_s']:.1f} s "
-            f"| {a['write_s']:.1f} s ({a['steps_during']:.0f}) |"
+            f"{v['crc32_4_threads']:.1f} s | {a['copy_s']:.2f} s ({a['first_copy_s']:.1f} s) "
+            f"| {a['write_s']:.0f} s ({a['writer_cpu_s']:.1f} s) "
+            f"| {a['step_s_after']:.1f} s / {a['step_s_during']:.1f} s |"
         )
     return "\n".join(lines)
 
@@ -240,6 +255,7 @@ def main() -> None:
         model, out, scratch = args.worker
         worker(model, Path(out), Path(scratch))
         return
+    print(f"load average {os.getloadavg()} (2 cores here)", flush=True)
     with tempfile.TemporaryDirectory(dir=args.scratch, prefix="bench-checkpoint-") as scratch:
         results = [measure(model, Path(scratch)) for model in args.models]
     import torch
@@ -252,6 +268,7 @@ def main() -> None:
         {
             "benchmark": "checkpoint save / load / verify time, size and training stall, "
             "synchronous and in the background (one rank, fp32, ZeRO-1, local disk)",
+            "load_average_1_5_15min_at_end": os.getloadavg(),
             "results": results,
             "projection": projection,
         },

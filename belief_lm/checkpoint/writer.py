@@ -17,8 +17,10 @@ of belief-lm reads (consolidate.py, universal.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,7 +50,11 @@ class CheckpointWriter(CheckpointEngine):
         """Whether the next `save`s go to the background (a save about to be waited for is
         written at once: no host copy needed)."""
         self.records: dict[Path, FileRecord] = {}
-        self._pool = ThreadPoolExecutor(1, "checkpoint-writer") if background else None
+        self.cpu_seconds = 0.0
+        """CPU time the writes took, in all (what a background write takes from the host)."""
+        self._pool = None
+        if background:
+            self._pool = ThreadPoolExecutor(1, "checkpoint-writer", initializer=_yield_to_training)
         self._queued: list[Future] = []
         hold = os.environ.get(HOLD_ENV)
         self._hold = Path(hold) if hold else None
@@ -89,7 +95,6 @@ class CheckpointWriter(CheckpointEngine):
         for future in self._queued:
             error = future.exception()
             failure = failure or error
-        self._staging.recycle()
         return failure
 
     def failure(self) -> BaseException | None:
@@ -100,13 +105,16 @@ class CheckpointWriter(CheckpointEngine):
         return None
 
     def take_records(self) -> dict[Path, FileRecord]:
-        """The records of the files written since the last call (after `join`)."""
+        """The records of the files written since the last call, once every queued write
+        has ended (`done`); their host copies then serve the next save."""
         records, self.records = self.records, {}
         self._queued = []
+        self._staging.recycle()
         return records
 
     def _write(self, path: Path, state) -> None:
         self._wait_if_held(path)
+        started = time.thread_time()
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as file:
             out = ChecksummingFile(file)
@@ -114,6 +122,7 @@ class CheckpointWriter(CheckpointEngine):
             file.flush()
             os.fsync(file.fileno())  # written means on disk: the manifest will vouch for it
         self.records[path] = out.record()
+        self.cpu_seconds += time.thread_time() - started
 
     def _wait_if_held(self, path: Path) -> None:
         if self._hold is None or not self.deferring:
@@ -127,6 +136,19 @@ class CheckpointWriter(CheckpointEngine):
             return
         while (self._hold / name).exists():
             time.sleep(0.05)
+
+
+WRITER_NICENESS = 10
+"""How much lower the writer thread's scheduling priority is than training's: where the
+host's cores are all busy (a CPU run, busy loader workers) training gets them first and
+the write takes longer; where cores are free it changes nothing."""
+
+
+def _yield_to_training() -> None:
+    # Linux schedules threads as tasks of their own: this one alone is reniced (elsewhere,
+    # or where it is not allowed, the writer keeps the default priority)
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
 
 
 class HostStaging:

@@ -166,6 +166,11 @@ def test_a_background_save_holds_the_state_of_its_step(engine, tmp_path, monkeyp
             p.add_(1.0)  # training goes on while the copy is written
     state["counts"].add_(1)  # (this rank's state is written last: still held)
     assert not later.writer.done() and not path.exists()
+    in_flight = tmp_path / "later" / ".tmp-step_000005"
+    assert not (in_flight / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists(), (
+        "DeepSpeed wrote its optimizer file itself, not through engine.checkpoint_engine: "
+        "belief_lm.checkpoint.writer.install no longer puts the background writer in place"
+    )
     assert read_latest(tmp_path / "later") is None
     (hold / "step_000005").unlink()
     assert later.wait() == path and read_latest(tmp_path / "later") == path.name
