@@ -152,3 +152,24 @@ def test_pipeline_damaged_checkpoint_named_explicitly_exits_2(
     assert done.returncode == 2, done.stderr[-5000:]
     assert f"checkpoint {step4} is damaged" in done.stderr and message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["evaluate"],
+        ["generate", "--prompt", "The", "--max-new-tokens", "2"],
+        ["export", "--format", "torch", "--output", "OUT"],
+    ],
+    ids=["evaluate", "generate", "export"],
+)
+def test_commands_refuse_a_damaged_checkpoint(make_checkpoint, tmp_path, command):
+    """evaluate, generate and export check every file against the manifest before reading
+    a checkpoint: a changed byte is exit 2 naming the file, and nothing is written."""
+    checkpoint = make_checkpoint()
+    message = DAMAGES["byte-flipped"](checkpoint)
+    args = [str(tmp_path / "out.pt") if a == "OUT" else a for a in command]
+    done = run_cli(args[0], "--checkpoint", str(checkpoint), *args[1:], timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"checkpoint {checkpoint} is damaged" in done.stderr and message in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out.pt").exists()
