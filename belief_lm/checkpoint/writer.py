@@ -33,8 +33,10 @@ from belief_lm.checkpoint.manifest import ChecksummingFile, FileRecord
 
 HOLD_ENV = "BELIEF_LM_TEST_HOLD_WRITES"
 """Test hook: a directory. A background write of checkpoint step_N, after its first file,
-waits while `<directory>/step_N` exists, so a test can signal or kill a run in the middle
-of a background write (tests/checkpoint/test_async_save.py). Unset: no effect."""
+waits while `<directory>/step_N` exists (every rank) or `<directory>/step_N-rank<R>` (rank
+R, as torchrun numbers it), so a test can signal or kill a run in the middle of a
+background write, or hold one rank back (tests/checkpoint/test_async_save.py). Unset: no
+effect."""
 
 
 class CheckpointWriter(CheckpointEngine):
@@ -134,7 +136,8 @@ class CheckpointWriter(CheckpointEngine):
         if name not in self._started:
             self._started.add(name)  # its first file is written at once
             return
-        while (self._hold / name).exists():
+        rank = os.environ.get("RANK", "0")
+        while (self._hold / name).exists() or (self._hold / f"{name}-rank{rank}").exists():
             time.sleep(0.05)
 
 

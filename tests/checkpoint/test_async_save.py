@@ -58,16 +58,38 @@ def test_a_background_save_writes_what_a_synchronous_one_does(synchronous, tmp_p
 
 
 def test_two_pipeline_stages_save_in_the_background_as_synchronously(tmp_path, cache_dir):
-    """Every rank writes its own files in the background; the checkpoint is published
-    once both have: the same files as a synchronous save of the same run."""
+    """Every rank writes its own files in the background, and the checkpoint is published
+    only once both have: with rank 1's write held back, rank 0's files are all written and
+    training goes on, but step 4 stays unpublished until rank 1's are too. Then the same
+    files as a synchronous save of the same run."""
     layout = ["parallel.pipeline=2", "checkpoint.interval=4"]
     sync_losses = train(tmp_path / "sync", cache_dir, *layout, nproc=2)
-    assert train(tmp_path / "async", cache_dir, *layout, ASYNC, nproc=2) == sync_losses
+    run_dir, hold, log = tmp_path / "async", tmp_path / "hold", tmp_path / "log"
+    hold.mkdir()
+    (hold / "step_000004-rank1").touch()
+    job = start_cli(
+        "train", *args(run_dir, cache_dir, *layout, ASYNC), nproc=2, env={HOLD_ENV: str(hold)},
+        stderr=log.open("w"),
+    )  # fmt: skip
+    try:
+        in_flight = run_dir / "checkpoints" / ".tmp-step_000004"
+        rows = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        rank0_last = in_flight / "run_state" / "rank00000.pt"  # (a rank writes it last)
+        while not (rows.is_file() and rows.read_text().count("\n") >= 6 and rank0_last.is_file()):
+            assert job.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        assert not (in_flight / "run_state" / "rank00001.pt").exists()
+        assert not step_dir(run_dir, 4).exists()
+        (hold / "step_000004-rank1").unlink()
+        assert job.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        stop_job(job)
+    assert losses(run_dir) == sync_losses
     for step in (4, 8):
-        assert not problems(step_dir(tmp_path / "async", step), checksums=True)
-        assert_same_checkpoint(
-            step_dir(tmp_path / "sync", step), step_dir(tmp_path / "async", step)
-        )
+        assert not problems(step_dir(run_dir, step), checksums=True)
+        assert_same_checkpoint(step_dir(tmp_path / "sync", step), step_dir(run_dir, step))
 
 
 def start_held(run_dir, cache_dir, hold, log, *overrides):
