@@ -291,7 +291,8 @@ class CheckpointConfig(Section):
     interval: int = Field(0, ge=0)
     """Steps between checkpoints; 0: only at the end and on a stop signal."""
     keep: PositiveInt = 2
-    """Complete checkpoints kept in run.output_dir/checkpoints (oldest deleted first)."""
+    """Intact checkpoints kept in run.output_dir/checkpoints; older ones (intact or damaged)
+    are deleted after each save."""
     save_at_end: bool = True
     """Save when train.max_steps is reached."""
     resume: str = "auto"
