@@ -21,6 +21,8 @@
         a Hugging Face Llama folder as the run's weights-only step 0 (train starts from it)
     belief-lm checkpoint verify RUN_DIR [--sizes-only] [--workers N]
         every checkpoint intact or damaged (and why); exit 0 if the newest is intact, else 2
+    belief-lm checkpoint seal STEP_DIR
+        the manifest of a checkpoint an earlier belief-lm (without checksums) saved
 
 Exit codes (belief_lm/exit_codes.py): 0 done; 1 failed while running; 2 bad command line,
 config, data or checkpoint (nothing was run; a damaged checkpoint named explicitly, or
@@ -134,6 +136,12 @@ def _checkpoint_commands(commands) -> None:
         help="compare sizes only (instant), not checksums (reads every file once)",
     )  # fmt: skip
     sub.add_argument("--workers", type=int, default=4, help="files checksummed at a time")
+    help_text = (
+        "write the manifest of a checkpoint saved by a belief-lm without checksums, "
+        "trusting its files as they are now (a resume refuses a checkpoint without one)"
+    )
+    sub = actions.add_parser("seal", help=help_text, description=help_text)
+    sub.add_argument("checkpoint", metavar="STEP_DIR", help="a checkpoint step directory")
 
 
 def _plan_arguments(commands) -> None:
@@ -378,9 +386,16 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _verify_checkpoints(args: argparse.Namespace) -> int:
-    """`checkpoint verify`: torch-free (manifests and checksums)."""
-    from belief_lm.checkpoint.verify import check_run, report
+    """`checkpoint verify` and `checkpoint seal`: torch-free (manifests and checksums)."""
+    from belief_lm.checkpoint.verify import check_run, report, seal_legacy
 
+    if args.action == "seal":
+        try:
+            print(seal_legacy(args.checkpoint))
+        except ValueError as err:  # no such checkpoint, incomplete, or sealed already
+            print(f"belief-lm: {err}", file=sys.stderr)
+            return exit_codes.BAD_INPUT
+        return exit_codes.DONE
     checksums = not args.sizes_only
     check = check_run(args.run_dir, checksums, args.workers)
     print(report(check, checksums))

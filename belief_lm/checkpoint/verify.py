@@ -3,6 +3,8 @@ manifest, intact or damaged (and why), and the one a resume would take. Torch-fr
 
 Exit code (the command's): 0 when the newest checkpoint (the highest step) is intact, 2
 when it is damaged or there is none, so a job script can check a run before requeueing it.
+`belief-lm checkpoint seal STEP_DIR` gives a checkpoint saved before manifests existed its
+manifest, trusting its files as they are.
 """
 
 from __future__ import annotations
@@ -11,7 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from belief_lm.checkpoint import manifest
-from belief_lm.checkpoint.files import Choice, choose_checkpoint, problems, step_dirs
+from belief_lm.checkpoint.files import (
+    CheckpointError,
+    Choice,
+    choose_checkpoint,
+    problems,
+    read_info,
+    step_dirs,
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,22 @@ def report(check: RunCheck, checksums: bool = True) -> str:
         + (taken.name if taken is not None else "none (no intact checkpoint)")
     )
     return "\n".join(lines)
+
+
+def seal_legacy(checkpoint: str | Path) -> str:
+    """Write the manifest of `checkpoint`, a complete checkpoint without one (saved by a
+    belief-lm before manifests), from its files as they are; what was done, in a line.
+    CheckpointError if it is missing, incomplete or has a manifest already."""
+    path = Path(checkpoint).expanduser()
+    read_info(path)  # there, and complete
+    if (path / manifest.MANIFEST).exists():
+        raise CheckpointError(
+            f"checkpoint {path} has a manifest already: `belief-lm checkpoint verify` checks it"
+        )
+    manifest.seal(path)
+    records = manifest.read_manifest(path)
+    size = sum(record.size for record in records.values())
+    return f"sealed {path}: {len(records)} files, {_size(size)}, as they are now"
 
 
 def _size(size: int) -> str:

@@ -173,3 +173,19 @@ def test_commands_refuse_a_damaged_checkpoint(make_checkpoint, tmp_path, command
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"checkpoint {checkpoint} is damaged" in done.stderr and message in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "out.pt").exists()
+
+
+def test_seal_gives_an_earlier_checkpoint_its_manifest(trained, tmp_path):
+    """A checkpoint saved before manifests (none) is refused by a resume; `checkpoint
+    seal` writes one from its files as they are, once."""
+    _, run_dir, _ = trained
+    step = tmp_path / "step_000004"
+    shutil.copytree(run_dir / "checkpoints" / "step_000004", step)
+    (step / "manifest.json").unlink()
+    sealed = run_cli("checkpoint", "seal", str(step))
+    assert sealed.returncode == 0 and f"sealed {step}: " in sealed.stdout, sealed.stderr
+    assert check_run(tmp_path).newest_intact
+    again = run_cli("checkpoint", "seal", str(step))
+    assert again.returncode == 2 and "has a manifest already" in again.stderr
+    missing = run_cli("checkpoint", "seal", str(tmp_path / "step_000009"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
