@@ -19,9 +19,14 @@
         plot a run's metrics (RUN_DIR/report.png) or overlay several (--out), and summarise
     belief-lm import-hf DIR --config RUN.yaml [section.key=value ...]
         a Hugging Face Llama folder as the run's weights-only step 0 (train starts from it)
+    belief-lm checkpoint verify RUN_DIR [--sizes-only] [--workers N]
+        every checkpoint intact or damaged (and why); exit 0 if the newest is intact, else 2
+    belief-lm checkpoint seal STEP_DIR
+        the manifest of a checkpoint an earlier belief-lm (without checksums) saved
 
 Exit codes (belief_lm/exit_codes.py): 0 done; 1 failed while running; 2 bad command line,
-config, data or checkpoint (nothing was run); 3 the loss spiked train.spike.max_in_row
+config, data or checkpoint (nothing was run; a damaged checkpoint named explicitly, or
+`checkpoint verify` finding the newest one damaged); 3 the loss spiked train.spike.max_in_row
 steps in a row with train.spike.action=stop (the last step was saved); 65 a data source
 failed mid-run (the last completed step was saved; the message names the source, file and
 row); 75 stopped by SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint (requeue the job:
@@ -109,11 +114,34 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
     sub.add_argument("--out", help="the PNG to write (default RUN_DIR/report.png; needed "
                      "for several runs)")  # fmt: skip
+    _checkpoint_commands(commands)
     help_text = "a Hugging Face Llama checkpoint as a run's step-0 checkpoint (weights only)"
     sub = commands.add_parser("import-hf", help=help_text, description=help_text)
     sub.add_argument("dir", metavar="DIR", help="folder with config.json and *.safetensors")
     _config_arguments(sub)
     return parser
+
+
+def _checkpoint_commands(commands) -> None:
+    checkpoint = commands.add_parser("checkpoint", help="checkpoint commands")
+    actions = checkpoint.add_subparsers(dest="action", required=True, metavar="ACTION")
+    help_text = (
+        "list every checkpoint of a run as intact or damaged (and why); exit 0 if the "
+        "newest is intact, 2 if it is damaged or there is none"
+    )
+    sub = actions.add_parser("verify", help=help_text, description=help_text)
+    sub.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or its checkpoints/)")
+    sub.add_argument(
+        "--sizes-only", action="store_true",
+        help="compare sizes only (instant), not checksums (reads every file once)",
+    )  # fmt: skip
+    sub.add_argument("--workers", type=int, default=4, help="files checksummed at a time")
+    help_text = (
+        "write the manifest of a checkpoint saved by a belief-lm without checksums, "
+        "trusting its files as they are now (a resume refuses a checkpoint without one)"
+    )
+    sub = actions.add_parser("seal", help=help_text, description=help_text)
+    sub.add_argument("checkpoint", metavar="STEP_DIR", help="a checkpoint step directory")
 
 
 def _plan_arguments(commands) -> None:
@@ -201,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         return _from_checkpoint(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "checkpoint":
+        return _verify_checkpoints(args)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "config":
@@ -353,6 +383,23 @@ def _report(args: argparse.Namespace) -> int:
         print(f"belief-lm: {err}", file=sys.stderr)
         return exit_codes.BAD_INPUT
     return exit_codes.DONE
+
+
+def _verify_checkpoints(args: argparse.Namespace) -> int:
+    """`checkpoint verify` and `checkpoint seal`: torch-free (manifests and checksums)."""
+    from belief_lm.checkpoint.verify import check_run, report, seal_legacy
+
+    if args.action == "seal":
+        try:
+            print(seal_legacy(args.checkpoint))
+        except ValueError as err:  # no such checkpoint, incomplete, or sealed already
+            print(f"belief-lm: {err}", file=sys.stderr)
+            return exit_codes.BAD_INPUT
+        return exit_codes.DONE
+    checksums = not args.sizes_only
+    check = check_run(args.run_dir, checksums, args.workers)
+    print(report(check, checksums))
+    return exit_codes.DONE if check.newest_intact else exit_codes.BAD_INPUT
 
 
 def _evaluate(args: argparse.Namespace) -> int:

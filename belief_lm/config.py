@@ -294,12 +294,19 @@ class CheckpointConfig(Section):
     interval: int = Field(0, ge=0)
     """Steps between checkpoints; 0: only at the end and on a stop signal."""
     keep: PositiveInt = 2
-    """Complete checkpoints kept in run.output_dir/checkpoints (oldest deleted first)."""
+    """Intact checkpoints kept in run.output_dir/checkpoints; older ones (intact or damaged)
+    are deleted after each save."""
     save_at_end: bool = True
     """Save when train.max_steps is reached."""
     resume: str = "auto"
-    """'auto': the newest complete checkpoint of run.output_dir, if any; 'never'; or the
-    path of a checkpoint directory."""
+    """'auto': the newest intact checkpoint of run.output_dir, if any (damaged ones are
+    skipped with a warning); 'never'; or the path of a checkpoint directory."""
+    async_save: bool = False
+    """Write checkpoints in the background: a save copies the state to host memory (the
+    only pause) and training continues while a thread per rank writes it; it is published
+    (manifest, run.json, `latest`) at a later step once every rank has written its files.
+    A stop signal and the end of training wait for it. Costs host memory for one more copy
+    of each rank's checkpoint state."""
 
 
 class WandbConfig(Section):

@@ -10,7 +10,9 @@ FAILED = 1
 """Failed while running (a crash, or too many non-finite steps; the last good state was
 saved where a checkpoint could be written)."""
 BAD_INPUT = 2
-"""Bad command line, config, data or checkpoint, found before any work: nothing was run."""
+"""Bad command line, config, data or checkpoint, found before any work: nothing was run. A
+damaged checkpoint named explicitly (train --resume DIR, evaluate, generate, export) is
+one; `checkpoint verify` exits with it when the newest checkpoint is damaged."""
 LOSS_SPIKES = 3
 """The loss spiked train.spike.max_in_row steps in a row with train.spike.action=stop: the
 run saved its last step and stopped for a person to look (lower the learning rate, skip

@@ -11,6 +11,7 @@ refused before it waits in a queue. (torchtitan's ParallelDims plays the same pa
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +20,11 @@ import yaml
 from belief_lm.checkpoint.files import (
     CheckpointError,
     CheckpointInfo,
+    damaged,
     newest_checkpoint,
+    problems,
     read_info,
+    step_dirs,
 )
 from belief_lm.config import Config
 from belief_lm.parallel.dims import ParallelDims
@@ -190,19 +194,32 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.run.output_dir).expanduser() / "checkpoints"
 
 
-def plan_resume(cfg: Config, dims: ParallelDims) -> ResumePlan | None:
-    """The checkpoint `checkpoint.resume` picks, checked against this run: the same model
-    and data, and a layout change its weights and optimizer state can make. None for a
-    fresh start."""
+def plan_resume(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) -> ResumePlan | None:
+    """The checkpoint `checkpoint.resume` picks, checked against this run: intact (every
+    file there with its size; the checksums are the trainer's, `verified_resume`), the same
+    model and data, and a layout change its weights and optimizer state can make. None for
+    a fresh start. With resume=auto a damaged checkpoint is passed over with a warning (and
+    those in `skip`, found damaged already); a run directory with checkpoints but none
+    intact is refused rather than started over."""
     choice = cfg.checkpoint.resume
     if choice == "never":
         return None
     if choice == "auto":
-        path = newest_checkpoint(checkpoint_root(cfg))
+        root = checkpoint_root(cfg)
+        path = newest_checkpoint(root, skip=skip)
         if path is None:
+            if step_dirs(root):
+                raise CheckpointError(
+                    f"no intact checkpoint in {root} (each is damaged: see the warnings, or "
+                    f"`belief-lm checkpoint verify {root}`); resume one by name to see why, "
+                    "or start over with checkpoint.resume=never"
+                )
             return None
     else:
         path = Path(choice).expanduser()
+        found = problems(path) if path.is_dir() else []  # (read_info names a missing one)
+        if found:
+            raise damaged(path, found)
     info = read_info(path)
     check_same_run(cfg, path)
     if info.weights_only:  # weights alone (an import): any layout loads them, nothing else

@@ -99,6 +99,7 @@ def make_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
     import shutil
 
     from belief_lm.checkpoint.files import CheckpointInfo
+    from belief_lm.checkpoint.manifest import seal
     from belief_lm.config import Config
     from belief_lm.model.gpt import BeliefLM
     from tests.models import SMALL
@@ -113,6 +114,7 @@ def make_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
         shutil.copyfile(small_tokenizer.path, step / "tokenizer.model")
         info = CheckpointInfo(1, 0, 1, 1, 1, 0, SMALL_EMBEDDING_ROWS)
         (step / "run.json").write_text(json.dumps(dataclasses.asdict(info)))
+        seal(step)  # the manifest belief-lm's save writes
         return step
 
     return make

@@ -203,6 +203,7 @@ def test_the_private_name_check_sees_each_form(tmp_path):
         "belief_lm.plan",
         "belief_lm.config",
         "belief_lm.exit_codes",
+        "belief_lm.checkpoint.verify",
         "belief_lm.logs",
         "belief_lm.report",
         "belief_lm.parallel.env",

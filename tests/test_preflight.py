@@ -6,6 +6,7 @@ import json
 import pytest
 
 from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo
+from belief_lm.checkpoint.manifest import seal
 from belief_lm.cli import main
 from belief_lm.config import load_config
 from belief_lm.parallel.dims import ParallelDims
@@ -88,6 +89,7 @@ def fake_checkpoint(root, cfg, **layout):
     info = CheckpointInfo(**{**info, **layout, "vocab_size": 4096})
     (step / "run.json").write_text(json.dumps(dataclasses.asdict(info)))
     (step / "config.yaml").write_text(cfg.to_yaml())
+    seal(step)
     return step
 
 

@@ -30,7 +30,13 @@ import torch
 import yaml
 from deepspeed.checkpoint import constants as ds
 
-from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo, read_info
+from belief_lm.checkpoint.files import (
+    CheckpointError,
+    CheckpointInfo,
+    damaged,
+    problems,
+    read_info,
+)
 from belief_lm.checkpoint.universal import universal_info
 from belief_lm.config import Config, ModelConfig
 from belief_lm.model.gpt import BeliefLM
@@ -81,10 +87,16 @@ def load_full_state(
             param.copy_(shard_tensor_parallel(state[keys[name]].to(param.dtype), param))
 
 
-def consolidate(path: str | Path) -> Consolidated:
-    """Read checkpoint `path` (a step directory) as a Consolidated model."""
+def consolidate(path: str | Path, verify: bool = True) -> Consolidated:
+    """Read checkpoint `path` (a step directory) as a Consolidated model. `verify`: first
+    check every file against the manifest (read through once; CheckpointError naming the
+    file if one differs); off only where the caller verified it."""
     path = Path(path).expanduser()
     info = read_info(path)
+    if verify:
+        found = problems(path, checksums=True)
+        if found:
+            raise damaged(path, found)
     try:
         config = Config.model_validate(yaml.safe_load((path / "config.yaml").read_text()))
     except (OSError, yaml.YAMLError, ValueError) as err:

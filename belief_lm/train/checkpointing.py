@@ -9,6 +9,12 @@ DeepSpeed's universal format (belief_lm/checkpoint/universal.py); which checkpoi
 resume from, and whether it can continue on this layout, is decided before any work by
 `belief_lm.preflight.plan_resume`. A weights-only checkpoint (an import) gives only the
 model's weights: the run starts at its step with a fresh optimizer and data stream.
+
+A checkpoint is trusted only once verified against its manifest: pre-flight checks that
+every file is there with its size (instant), and `verified_resume` has the ranks read every
+file through once between them (each rank a share) before anything is loaded. A damaged
+checkpoint named by checkpoint.resume is refused naming the file; with resume=auto the
+newest intact one is taken instead, with a warning.
 """
 
 from __future__ import annotations
@@ -21,12 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from belief_lm.checkpoint import store
-from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo
+from belief_lm.checkpoint import manifest, store
+from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo, damaged, step_dirs
 from belief_lm.checkpoint.universal import ensure_universal, universal_info
 from belief_lm.config import Config
-from belief_lm.parallel.dims import Layout
-from belief_lm.preflight import ResumePlan, checkpoint_root
+from belief_lm.parallel.dims import Layout, ParallelDims
+from belief_lm.preflight import ResumePlan, checkpoint_root, plan_resume
 from belief_lm.runtime import derived_seed
 
 log = logging.getLogger("belief_lm.checkpoint")
@@ -49,6 +55,44 @@ def data_state(data) -> dict:
     return data.state_dict()
 
 
+def verified_resume(plan: ResumePlan | None, cfg: Config, dims: ParallelDims) -> ResumePlan | None:
+    """`plan` once its checkpoint's files are verified (collective: each rank checksums a
+    share of them). A damaged checkpoint named by checkpoint.resume raises CheckpointError
+    naming the file; with resume=auto the next intact one is planned instead, with a warning
+    (`plan_resume` refuses a run whose checkpoints are all damaged)."""
+    while plan is not None:
+        started = time.perf_counter()
+        found = verify_together(plan.path)
+        if not found:
+            log.info("verified checkpoint %s in %.1f s", plan.path, time.perf_counter() - started)
+            return plan
+        error = damaged(plan.path, found)
+        if cfg.checkpoint.resume != "auto":
+            raise error
+        log.warning("%s; skipping it for an older checkpoint", error)
+        # this one and the newer ones (pre-flight found and reported those) are passed over
+        newer = [path for step, path in step_dirs(plan.path.parent) if step >= plan.info.step]
+        plan = plan_resume(cfg, dims, skip=newer)
+    return None
+
+
+def verify_together(path: Path, workers: int = manifest.WORKERS) -> list[str]:
+    """Problems of checkpoint `path` (every file read through once), the same list on every
+    rank: each rank checksums its share of the bytes (manifest.shares), and the problems
+    are gathered. A missing or corrupt manifest is found by every rank alike."""
+    try:
+        records = manifest.read_manifest(path)
+    except manifest.ManifestError as err:
+        return [str(err)]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = manifest.check(path, records, manifest.shares(records, world)[rank], workers=workers)
+    if world == 1:
+        return mine
+    every_rank = [None] * world
+    dist.all_gather_object(every_rank, mine)
+    return sorted(problem for found in every_rank for problem in found)
+
+
 def weights_only(plan: ResumePlan | None) -> dict[str, torch.Tensor] | None:
     """The whole weights of a weights-only checkpoint to start from (loaded into the model
     before its engine is built, so any layout takes them), or None for any other plan."""
@@ -57,7 +101,7 @@ def weights_only(plan: ResumePlan | None) -> dict[str, torch.Tensor] | None:
     from belief_lm.checkpoint.consolidate import consolidate
 
     log.info("starting from the weights of %s (fresh optimizer and data stream)", plan.path)
-    return consolidate(plan.path).state_dict
+    return consolidate(plan.path, verify=False).state_dict  # verified_resume did
 
 
 def restore(plan: ResumePlan, cfg: Config, engine, layout: Layout) -> int:
@@ -100,10 +144,19 @@ def load_data_state(plan: ResumePlan) -> dict:
     return torch.load(path, weights_only=False)
 
 
-def save(cfg: Config, engine, state: dict, layout: Layout, step: int, consumed_tokens: int,
-         vocab_size: int, tokenizer_path: Path, data: dict | None = None) -> Path:  # fmt: skip
+def checkpointer(cfg: Config, engine) -> store.Checkpointer:
+    """What saves this run's checkpoints (collective: every rank makes one)."""
+    root = checkpoint_root(cfg)
+    return store.Checkpointer(engine, root, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+
+
+def save(cfg: Config, checkpoints: store.Checkpointer, state: dict, layout: Layout, step: int,
+         consumed_tokens: int, vocab_size: int, tokenizer_path: Path, data: dict | None = None,
+         wait: bool = True) -> Path:  # fmt: skip
     """Save a checkpoint at `step` (collective); `state` is this rank's `rank_state`,
-    `data` the run's `data_state` (None: a run without a data stream, as in tests)."""
+    `data` the run's `data_state` (None: a run without a data stream, as in tests).
+    `wait`: return once it is published (else, with checkpoint.async_save, once it is
+    copied to host memory; `checkpoints.poll` publishes it later)."""
     info = CheckpointInfo(
         step=step, consumed_tokens=consumed_tokens, tensor=layout.tensor,
         pipeline=layout.pipeline, data=layout.data, zero_stage=cfg.parallel.zero_stage,
@@ -115,8 +168,4 @@ def save(cfg: Config, engine, state: dict, layout: Layout, step: int, consumed_t
         torch.save(data, buffer)
         extra[DATA_STATE] = buffer.getvalue()
     client = {"universal_checkpoint_info": universal_info(cfg.model), "step": step}
-    started = time.perf_counter()
-    path = store.save(engine, checkpoint_root(cfg), info, state, extra, client, cfg.checkpoint.keep)
-    # how long a stop signal's save takes: the grace period a cluster must give (README)
-    log.info("saved checkpoint %s in %.1f s", path, time.perf_counter() - started)
-    return path
+    return checkpoints.save(info, state, extra, client, wait=wait)

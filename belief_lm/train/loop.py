@@ -11,6 +11,7 @@ tokenizer, model in its DeepSpeed engine, data stream, resume); the loop then re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from belief_lm.checkpoint import store
 from belief_lm.checkpoint.files import CheckpointError
 from belief_lm.config import Config, padded_vocab_size
 from belief_lm.parallel import env as process_env
@@ -104,12 +106,15 @@ def train(cfg: Config, stop: StopRequests | None = None) -> TrainResult:
                 if trainer.due(cfg.run.diagnostics_interval, at_end=False):
                     trainer.diagnose()
                 stopping = stop.agreed()  # a stop signal on any rank (one small all-reduce)
+                trainer.checkpoints.poll()  # publishes a background save all ranks wrote
                 if stopping or trainer.checkpoint_due():
-                    checkpoint = trainer.save()
-                    if not stopping and downstream.due(cfg.train, step):
+                    evaluating = not stopping and downstream.due(cfg.train, step)
+                    checkpoint = trainer.save(wait=stopping or evaluating)
+                    if evaluating:
                         result.task_scores[step] = trainer.evaluate_tasks(checkpoint)
                 if stopping:
                     raise Preempted(step)
+            trainer.checkpoints.wait()  # the last save, if it is still being written
         finally:
             trainer.close()  # loader workers stopped while stop signals are still caught
     return result
@@ -175,6 +180,8 @@ class Trainer:
     timer: ForwardTimer
     """This rank's seconds in the model's forward passes (slow ranks show in its spread)."""
     profiler: StepProfiler
+    checkpoints: store.Checkpointer
+    """Writes this run's checkpoints (now, or in the background: checkpoint.async_save)."""
     progress: Progress | None
     """The console's progress line or bar, on the rank that logs (None elsewhere)."""
     spike: Spike | None = None
@@ -198,6 +205,9 @@ class Trainer:
         check_data(cfg.data)
         init_distributed(env, device, cfg.parallel.timeout_s)
         layout = init_model_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
+        # the checkpoint's files read through once between the ranks, before any work
+        resume = checkpointing.verified_resume(plan.resume, cfg, plan.dims)
+        plan = dataclasses.replace(plan, resume=resume)
         if cfg.train.eval_tasks:
             downstream.check_tasks(cfg.train.eval_tasks)  # lm-eval resolves them (rank 0)
         is_logger = dist.get_rank() == 0
@@ -224,6 +234,7 @@ class Trainer:
             collective=data_collective(),
         )  # fmt: skip
         start = 0 if resume is None else resume.info.step
+        checkpoints = checkpointing.checkpointer(cfg, trainee.engine)  # before a load: it reads
         if resume is not None and weights is None:
             start = checkpointing.restore(resume, cfg, trainee.engine, layout)
             data.load_state_dict(checkpointing.load_data_state(resume))
@@ -264,6 +275,7 @@ class Trainer:
             consumed_tokens=0 if resume is None else resume.info.consumed_tokens,
             spikes=spikes, timer=ForwardTimer(trainee.engine.module, device),
             profiler=StepProfiler(cfg.run.profile, run_dir, device, dist.get_rank()),
+            checkpoints=checkpoints,
             progress=Progress(cfg.train.max_steps, start) if is_logger else None,
         )  # fmt: skip
 
@@ -366,15 +378,18 @@ class Trainer:
             state["spikes"] = self.spikes.state_dict()
         return state
 
-    def save(self) -> Path:
-        """Checkpoint this step (collective), with the data position of every rank."""
+    def save(self, wait: bool = True) -> Path:
+        """Checkpoint this step (collective), with the data position of every rank. `wait`:
+        return once it is published (with checkpoint.async_save, else once it is in host
+        memory: `checkpoints.poll` publishes it at a later step)."""
         return checkpointing.save(
-            self.cfg, self.trainee.engine, self.state_dict(), self.layout, self.step,
+            self.cfg, self.checkpoints, self.state_dict(), self.layout, self.step,
             self.consumed_tokens, self.vocab_size, self.tokenizer.path,
-            checkpointing.data_state(self.data),
+            checkpointing.data_state(self.data), wait,
         )  # fmt: skip
 
     def close(self) -> None:
+        self.checkpoints.close()  # writes in flight end (published only if waited for)
         self.profiler.close()
         self.data.close()
         if self.metrics is not None:

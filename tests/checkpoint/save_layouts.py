@@ -46,10 +46,10 @@ def whole(tensor, param):
 
 
 def recording(save):
-    def save_and_record(cfg, engine, state, layout, step, *args):
-        path = save(cfg, engine, state, layout, step, *args)
+    def save_and_record(cfg, checkpoints, state, layout, step, *args):
+        path = save(cfg, checkpoints, state, layout, step, *args)
         live = {"masters": {}, "weights": {}}
-        for name, param in engine.module.named_parameters():
+        for name, param in checkpoints.engine.module.named_parameters():
             if layout.pipeline > 1:
                 name = canonical_name(name, cfg.model.num_layers)
             # collective under ZeRO-3 (every data-parallel rank gathers)

@@ -12,9 +12,14 @@ from belief_lm.checkpoint.files import (
     CheckpointInfo,
     complete_checkpoints,
     newest_checkpoint,
+    problems,
     read_info,
+    read_latest,
 )
-from belief_lm.checkpoint.store import save
+from belief_lm.checkpoint.manifest import seal
+from belief_lm.checkpoint.store import Checkpointer, delete_old, rng_state, save
+from belief_lm.checkpoint.writer import HOLD_ENV
+from tests.checkpoint.damage import assert_same_checkpoint
 
 INFO = {
     "consumed_tokens": 0,
@@ -33,6 +38,7 @@ def make(root, step, complete=True, run_json=None):
         (path / "run.json").write_text(run_json)
     elif complete:
         (path / "run.json").write_text(json.dumps({"step": step, **INFO}))
+    seal(path)  # as belief-lm's save would (a corrupt run.json: as saved so)
     return path
 
 
@@ -136,3 +142,64 @@ def test_resaving_a_step_replaces_it_and_drops_its_universal_copy(engine, tmp_pa
     assert (path / "run.json").stat().st_mtime_ns > written
     assert not universal.exists()
     assert newest_checkpoint(tmp_path) == path
+
+
+def test_a_background_save_holds_the_state_of_its_step(engine, tmp_path, monkeypatch):
+    """A background save copies the state when it is called: what changes while it is
+    written (held by the test hook after its first file) does not reach its files, which
+    equal a synchronous save of that moment tensor for tensor (RNG states included); it is
+    published only by `wait`."""
+    state = {"rng": rng_state(), "counts": torch.arange(4)}
+    info = CheckpointInfo(step=5, **INFO)
+    now = Checkpointer(engine, tmp_path / "now", keep=2).save(info, state, {}, {})
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "step_000005").touch()
+    monkeypatch.setenv(HOLD_ENV, str(hold))
+    later = Checkpointer(engine, tmp_path / "later", keep=2, background=True)
+    path = later.save(info, state, {}, {}, wait=False)
+    params = list(engine.module.parameters())
+    before = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)  # training goes on while the copy is written
+    state["counts"].add_(1)  # (this rank's state is written last: still held)
+    assert not later.writer.done() and not path.exists()
+    in_flight = tmp_path / "later" / ".tmp-step_000005"
+    assert not (in_flight / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists(), (
+        "DeepSpeed wrote its optimizer file itself, not through engine.checkpoint_engine: "
+        "belief_lm.checkpoint.writer.install no longer puts the background writer in place"
+    )
+    assert read_latest(tmp_path / "later") is None
+    (hold / "step_000005").unlink()
+    assert later.wait() == path and read_latest(tmp_path / "later") == path.name
+    assert not problems(path, checksums=True)
+    assert_same_checkpoint(now, path, same_process=True)
+    # the next background save copies into the same host buffers: the state of its step
+    info = CheckpointInfo(step=6, **INFO)
+    again = later.save(info, state, {}, {}, wait=False)
+    assert later.wait() == again
+    reference = Checkpointer(engine, tmp_path / "now", keep=2).save(info, state, {}, {})
+    with torch.no_grad():
+        for p, value in zip(params, before, strict=True):
+            p.copy_(value)
+    assert_same_checkpoint(reference, again, same_process=True)
+    assert not problems(again, checksums=True) and not problems(path, checksums=True)
+
+
+def test_keep_counts_only_intact_checkpoints(tmp_path):
+    """keep=1 after checkpoints 2 and 4 (intact) and 6 and 8 (damaged since): 4, the
+    newest intact one, stays with the damaged ones after it; 2 goes. With no intact one,
+    nothing is deleted."""
+    for step in (2, 4, 6, 8):
+        (make(tmp_path, step) / "weights.pt").write_bytes(b"x" * 100)
+        seal(tmp_path / f"step_{step:06d}")
+    (tmp_path / "step_000006" / "weights.pt").write_bytes(b"x" * 50)  # cut short
+    (tmp_path / "step_000008" / "manifest.json").unlink()
+    delete_old(tmp_path, keep=1)
+    assert [p.name for p in sorted(tmp_path.iterdir())] == [
+        "step_000004", "step_000006", "step_000008",
+    ]  # fmt: skip
+    (tmp_path / "step_000004" / "weights.pt").unlink()
+    delete_old(tmp_path, keep=1)
+    assert len(list(tmp_path.iterdir())) == 3

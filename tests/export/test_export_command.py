@@ -5,6 +5,7 @@ import json
 import pytest
 from test_cli import belief_lm  # the CLI as a subprocess, as tests/test_cli.py runs it
 
+from belief_lm.checkpoint.manifest import seal
 from belief_lm.cli import main
 
 
@@ -53,6 +54,7 @@ def test_incomplete_checkpoint_exits_2_naming_the_problem(
 ):
     checkpoint = make_checkpoint()
     damage(checkpoint)
+    seal(checkpoint)  # as if saved so: the files agree with the manifest, the content is bad
     output = tmp_path / "hf"
     assert (
         main(["export", "--checkpoint", str(checkpoint), "--format", "hf", "--output", str(output)])

@@ -130,8 +130,9 @@ def run(
         tokenizer = Path(out_dir) / "tokenizer.model"  # the checkpoint copies it; any bytes do
         tokenizer.write_bytes(b"synthetic data: no tokenizer")
         state = checkpointing.rank_state(layout)
+        checkpoints = checkpointing.checkpointer(cfg, engine)
         checkpointing.save(
-            cfg, engine, state, layout, save_at, 0, VOCAB, tokenizer, data.state_dict()
+            cfg, checkpoints, state, layout, save_at, 0, VOCAB, tokenizer, data.state_dict()
         )
     params = full_state_dict(engine.module, rename)
     logits = None
