@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from belief_lm.checkpoint.files import (
     CheckpointError,
