@@ -117,7 +117,8 @@ def _waiting_group() -> dist.ProcessGroup:
         timeout = RANK_ZERO_FIRST_TIMEOUT
         if watch is not None:
             timeout = timedelta(seconds=watch.rank_zero_wait_s + 60)
-        _waiting = (world, dist.new_group(backend="gloo", timeout=timeout))
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        _waiting = (world, peers.name_group(group, "rank_zero_first's group"))
     return _waiting[1]
 
 

@@ -25,6 +25,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -240,10 +241,24 @@ def _describe(name: str, group: dist.ProcessGroup | None, callers: list) -> str:
     return f"{name} over {_group_name(group)} ({_ranges(ranks)}){where}"
 
 
+_names: dict[int, tuple[dist.ProcessGroup, str]] = {}
+"""Our own groups' roles, by the group's id (the group kept alive with its name)."""
+
+
+def name_group(group: dist.ProcessGroup, role: str) -> dist.ProcessGroup:
+    """Give one of our own groups a role for the line that reports a timeout in it
+    ('the stop-request group')."""
+    _names[id(group)] = (group, role)
+    return group
+
+
 def _group_name(group: dist.ProcessGroup | None) -> str:
-    """The group's role: the world, or one of megatron's groups; else 'a group'."""
+    """The group's role: the world, one of ours (name_group) or one of megatron's groups;
+    else 'a group'."""
     if group is None or group is dist.group.WORLD:
         return "the world"
+    if id(group) in _names and _names[id(group)][0] is group:
+        return _names[id(group)][1]
     from megatron.core import parallel_state as ps
 
     roles = {
@@ -297,6 +312,8 @@ def watching() -> Iterator[None]:
 def end_child_processes() -> None:
     """Kill this process's multiprocessing children (data loader workers): with a peer
     lost the step cannot finish, and a worker would take its loader's 5 s status interval
-    to notice that its trainer is gone."""
+    to notice that its trainer is gone. torch's DataLoader would take a killed worker for
+    a crash (its SIGCHLD handler raises): the default handling comes back first."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         child.kill()
