@@ -166,7 +166,8 @@ def timed_out_in(what: str, group: dist.ProcessGroup | None, waited_s: float | N
     message = f"rank {rank}: {what} timed out after {waited_s:.0f} s"
     watch = current()
     if watch is None:  # no heartbeats to judge by
-        return PeerLost(f"{message}; waiting for {_ranges(ranks)}", line=f"belief-lm: {message}")
+        message += f"; waiting for {ranks_phrase(ranks)}"
+        return PeerLost(message, line=f"belief-lm: {message}")
     beats = heartbeat.read(watch.run_dir, ranks)
     silent = heartbeat.silent(beats, watch.silent_after_s)
     now = time.time()
@@ -177,14 +178,14 @@ def timed_out_in(what: str, group: dist.ProcessGroup | None, waited_s: float | N
     else:
         message += (
             f"; no rank of it is silent (heartbeats under {watch.silent_after_s:.0f} s old): "
-            f"{_ranges(ranks)} wait elsewhere"
+            f"{ranks_phrase(ranks)} wait elsewhere"
         )
     line = f"belief-lm: {message}"
     report = {"rank": rank, "line": line, "silent": silent, "time": now}
-    return PeerLost(message, line if _first_to_report(watch, report) else None, silent)
+    return PeerLost(message, line if first_to_report(watch, report) else None, silent)
 
 
-def _first_to_report(watch: Watch, report: dict) -> bool:
+def first_to_report(watch: Watch, report: dict) -> bool:
     """Whether this rank is the first of the run to report a timeout (it leaves the report
     in the heartbeat directory); True also where the file system cannot say."""
     path = watch.run_dir / heartbeat.DIRECTORY / f"peer_lost.{watch.token}.json"
@@ -224,7 +225,7 @@ def _too_long(what: str, waited: float, watch: Watch) -> PeerLost:
         f"parallel.rank_zero_wait_s={watch.rank_zero_wait_s:g} s"
     )
     report = {"rank": dist.get_rank(), "line": f"belief-lm: {message}", "silent": []}
-    first = _first_to_report(watch, report)
+    first = first_to_report(watch, report)
     return PeerLost(message, f"belief-lm: {message}" if first else None)
 
 
@@ -238,7 +239,7 @@ def _describe(name: str, group: dist.ProcessGroup | None, callers: list) -> str:
         caller = callers[-1]
         path = "/".join(Path(caller.f_code.co_filename).parts[-3:])
         where = f" in {path}:{caller.f_lineno} {caller.f_code.co_name}"
-    return f"{name} over {_group_name(group)} ({_ranges(ranks)}){where}"
+    return f"{name} over {group_role(group)} ({ranks_phrase(ranks)}){where}"
 
 
 _names: dict[int, tuple[dist.ProcessGroup, str]] = {}
@@ -252,7 +253,7 @@ def name_group(group: dist.ProcessGroup, role: str) -> dist.ProcessGroup:
     return group
 
 
-def _group_name(group: dist.ProcessGroup | None) -> str:
+def group_role(group: dist.ProcessGroup | None) -> str:
     """The group's role: the world, one of ours (name_group) or one of megatron's groups;
     else 'a group'."""
     if group is None or group is dist.group.WORLD:
@@ -276,7 +277,7 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
     return "a group"
 
 
-def _ranges(ranks: list[int]) -> str:
+def ranks_phrase(ranks: list[int]) -> str:
     """'ranks 0-3, 8' (a large group stays one short phrase)."""
     if not ranks:
         return "no ranks"

@@ -10,16 +10,21 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from belief_lm import exit_codes
+from belief_lm.cli import main
 from belief_lm.exit_codes import PEER_LOST
+from belief_lm.parallel import heartbeat
+from belief_lm.train import run_dir as run_directory
+from launcher import local
+from launcher.slurm import TEMPLATE
 from tests.jobs import MICRO, ROOT, losses, processes_mentioning, start_cli, wait_for_rows
 from tests.launcher.test_launch import children
-
-pytestmark = pytest.mark.slow
 
 SILENT_RANK = Path(__file__).with_name("silent_rank")
 """A sitecustomize that stops a chosen rank in its forward pass."""
@@ -82,6 +87,7 @@ def assert_ends_naming(job, run_dir: Path, log: Path, silent: int, timeout_s: in
     return took
 
 
+@pytest.mark.slow
 def test_a_silent_rank_ends_the_job_within_the_timeout(tmp_path, cache_dir):
     """`kill -STOP` on rank 1 of 2 mid-run: the job ends within parallel.timeout_s + 60 s
     with exit 69 and one line naming the collective that timed out (whichever the other
@@ -95,6 +101,7 @@ def test_a_silent_rank_ends_the_job_within_the_timeout(tmp_path, cache_dir):
     assert_ends_naming(job, run_dir, log, silent, 15, r"all_reduce over [\w\s-]+ \(ranks 0-1\)")
 
 
+@pytest.mark.slow
 def test_a_silent_rank_found_by_its_tensor_parallel_peer(tmp_path, cache_dir):
     """TP2 x DP2: rank 1 stops itself in its first decoder layer's forward pass at step 4
     (tests/launcher/silent_rank), so its tensor-parallel peer, rank 0, waits for it in the
@@ -133,6 +140,7 @@ def kill_rank_one_mid_run(run_dir: Path, log: Path, restarts: int, cache_dir: st
     return ended(job, run_dir, timeout=400)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_is_one_line_and_its_exit_code(tmp_path, cache_dir):
     """Without failure restarts: the launcher names the rank and its signal in one line,
     the survivor exits quietly (no traceback), and the job exits with 137 (128 + SIGKILL)."""
@@ -145,6 +153,7 @@ def test_a_dead_rank_is_one_line_and_its_exit_code(tmp_path, cache_dir):
     assert len((run_dir / "starts.jsonl").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_dead_rank_restarts_in_place_and_continues_like_an_uninterrupted_run(
     tmp_path, cache_dir, uninterrupted
 ):
@@ -171,3 +180,46 @@ def test_a_dead_rank_restarts_in_place_and_continues_like_an_uninterrupted_run(
         "restart": 1, "of": 1, "rank": 1, "host": restart["host"], "cause": "rank died",
         "signal": "SIGKILL",
     }  # fmt: skip
+
+
+def test_the_launchers_know_the_trainers_codes_and_files():
+    """Job submission is torch-free and reads only the config: what it shares with the
+    trainer is written twice, and held equal here."""
+    codes = (local.BAD_INPUT, local.LOSS_SPIKES, local.PEER_LOST, local.PREEMPTED)
+    assert codes == (exit_codes.BAD_INPUT, exit_codes.LOSS_SPIKES, exit_codes.PEER_LOST,
+                     exit_codes.PREEMPTED)  # fmt: skip
+    assert local.RESTART_VARIABLE == run_directory.RESTART_VARIABLE
+    assert local.HEARTBEATS == heartbeat.DIRECTORY
+    template = TEMPLATE.read_text()
+    assert f"export {run_directory.RESTART_VARIABLE}\n" in template
+    assert f'grep -v "exit code {exit_codes.PEER_LOST}$"' in template
+    assert f"case $status in 0 | {exit_codes.BAD_INPUT} | {exit_codes.LOSS_SPIKES} |" in template
+
+
+def test_the_job_script_restarts_failed_steps_as_configured(capsys):
+    code = main(["launch", "slurm", "--dry-run", "--config", MICRO, "launch.failure_restarts=3"])
+    assert code == 0
+    assert "\nFAILURE_RESTARTS=3\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("status", "errors", "cause"),
+    [
+        (137, "srun: error: node2: task 1: Killed\nsrun: error: node1: task 0: Exited with "
+         "exit code 69\n", '"cause": "rank died", "rank": 1, "host": "node2", "signal": '
+         '"SIGKILL"'),
+        (69, "srun: error: node1: task 0: Exited with exit code 69\n",
+         '"cause": "peer lost", "rank": 0, "host": "node1", "exit_code": 69'),
+        (1, "srun: error: node1: tasks 0-1: Exited with exit code 1\n",
+         '"cause": "rank failed", "rank": 0, "host": "node1", "exit_code": 1'),
+        (143, "", '"cause": "rank died", "rank": null, "host": "", "signal": "SIGTERM"'),
+    ],
+)  # fmt: skip
+def test_the_job_script_records_what_failed(tmp_path, status, errors, cause):
+    """The template's restart_cause: srun's lines about its tasks -> starts.jsonl's JSON."""
+    function = re.search(r"^restart_cause\(\) \{.*?^\}$", TEMPLATE.read_text(), re.M | re.S)[0]
+    (tmp_path / "errors").write_text(errors)
+    script = f'set -euo pipefail\nFAILURE_RESTARTS=2\n{function}\nrestart_cause 1 {status} "$1"'
+    out = subprocess.run(["bash", "-c", script, "-", str(tmp_path / "errors")],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert json.loads(out) == json.loads(f'{{"restart": 1, "of": 2, {cause}}}')
