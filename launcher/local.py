@@ -136,7 +136,7 @@ def run(cfg: Config, train_args: list[str], free_port: Callable[[], int]) -> int
         started = time.time()
         env = {} if restart is None else {RESTART_VARIABLE: json.dumps(restart)}
         ranks[:] = _start(rank_commands(cfg, train_args, free_port()), env)
-        code, failure = _watch(ranks, run_dir, started)
+        code, failure = _watch(ranks, run_dir, started, cfg.parallel.timeout_s)
         if failure is None or code in NOT_RESTARTED or stopped:
             break
         if restarts >= cfg.launch.failure_restarts:
@@ -168,34 +168,56 @@ def _start(commands: list[tuple[dict, list[str]]], env: dict) -> list[subprocess
 
 
 def _watch(
-    ranks: list[subprocess.Popen], run_dir: Path, since: float
+    ranks: list[subprocess.Popen], run_dir: Path, since: float, timeout_s: float
 ) -> tuple[int, Failure | None]:
     """Wait for the ranks (started at `since`) to end, ending the others once one fails;
     (the job's exit code, the failure that ended it or None)."""
     failure, failed_at, asked = None, 0.0, False
-    while any(rank.poll() is None for rank in ranks):
+    while True:
+        running = any(rank.poll() is None for rank in ranks)
         if failure is None:
             failure = _first_failure(ranks)
             if failure is not None:  # the others cannot go on without it: end them
                 failed_at = time.monotonic()
                 _kill_group(ranks[failure.rank])  # its loader workers hold its sockets open
-                named = failure.code == PEER_LOST and _peer_report(run_dir, since) is not None
-                if not named:  # (a rank that found a silent peer named it)
-                    print(failure.line(), file=sys.stderr, flush=True)
+                _report(failure, run_dir, since, len(ranks), timeout_s)
                 _signal_all(ranks, signal.SIGCONT)  # a stopped rank can end only if continued
-        elif not asked and time.monotonic() - failed_at > QUIET_S:
+        if not running:
+            break
+        if failure is not None and not asked and time.monotonic() - failed_at > QUIET_S:
             asked = True
             _signal_all(ranks, signal.SIGTERM)
-        elif time.monotonic() - failed_at > STOP_GRACE_S:
+        elif failure is not None and time.monotonic() - failed_at > STOP_GRACE_S:
             _signal_all(ranks, signal.SIGKILL)
         time.sleep(0.1)
     for rank in ranks:  # whatever a rank left behind (none after a clean end)
         _kill_group(rank)
-    if failure is None:
-        failure = _first_failure(ranks)
     if failure is not None:
         return failure.code, failure
     return PREEMPTED if PREEMPTED in [_exit_code(rank) for rank in ranks] else 0, None
+
+
+def _report(failure: Failure, run_dir: Path, since: float, world: int, timeout_s: float) -> None:
+    """The failure's one line, unless the rank that failed said what happened itself (it
+    found a silent peer), with the ranks whose heartbeat stopped more than half the
+    collective timeout ago: on NCCL, torch's watchdog ends the ranks that waited for a
+    silent one (SIGABRT), and this names the silent one."""
+    if failure.code == PEER_LOST and _peer_report(run_dir, since) is not None:
+        return
+    line = failure.line()
+    now, silent = time.time(), []
+    for rank in range(world):
+        try:
+            beat = json.loads((run_dir / HEARTBEATS / f"rank_{rank:05d}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        age = now - beat["time"]
+        if rank != failure.rank and beat["started"] >= since and age > timeout_s / 2:
+            silent.append(f"rank {rank} (pid {beat['pid']} on {beat['host']}, no heartbeat "
+                          f"for {age:.0f} s)")  # fmt: skip
+    if silent:
+        line += "; silent: " + ", ".join(silent)
+    print(line, file=sys.stderr, flush=True)
 
 
 def _first_failure(ranks: list[subprocess.Popen]) -> Failure | None:

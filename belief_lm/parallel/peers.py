@@ -96,7 +96,11 @@ def start(run_dir: str | Path, timeout_s: float, rank_zero_wait_s: float) -> Wat
     stop()
     if dist.get_world_size() == 1:
         return None
-    token = torch.tensor([int(time.time() * 1000)], dtype=torch.int64)
+    # (NCCL broadcasts only CUDA tensors)
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    )
+    token = torch.tensor([int(time.time() * 1000)], dtype=torch.int64, device=device)
     dist.broadcast(token, src=0)  # before any heartbeat: no report can race it
     beat = heartbeat.Heartbeat(run_dir, dist.get_rank(), heartbeat.interval_for(timeout_s))
     _watch = Watch(Path(run_dir).expanduser(), timeout_s, rank_zero_wait_s, beat.start(),
