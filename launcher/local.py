@@ -141,6 +141,9 @@ def run(cfg: Config, train_args: list[str], free_port: Callable[[], int]) -> int
             break
         if restarts >= cfg.launch.failure_restarts:
             break
+        time.sleep(1)  # a stop signal that came with the failure (a scancel, a Ctrl-C)
+        if stopped:
+            break
         restarts += 1
         restart = {"restart": restarts, "of": cfg.launch.failure_restarts}
         restart.update(failure.record(run_dir, started))

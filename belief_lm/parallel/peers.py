@@ -133,8 +133,8 @@ def is_lost_peer(err: BaseException) -> bool:
     if isinstance(err, PeerLost):
         return True
     message = str(err)
-    if not isinstance(err, RuntimeError):
-        return False
+    if not isinstance(err, RuntimeError) or not dist.is_initialized():
+        return False  # (a rendezvous that timed out: its own message says which)
     if not (TIMED_OUT.search(message) or VANISHED.search(message)):
         return False
     if compat.failed_collective(err.__traceback__) is not None:

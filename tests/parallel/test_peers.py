@@ -3,12 +3,14 @@ themselves, with real ranks: tests/launcher/test_faults.py)."""
 
 import json
 import os
+import re
 import socket
 import time
 
 import pytest
 
 from belief_lm.parallel import heartbeat, peers
+from tests.parallel.conftest import torchrun
 
 
 def test_a_heartbeat_is_rewritten_with_the_step_and_stops(tmp_path):
@@ -63,7 +65,7 @@ GLOO_CLOSED = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0
         (raised("mismatched sizes in gloo allreduce"), False),  # a bug, not a peer
     ],
 )
-def test_which_failures_are_a_lost_peer(error, lost):
+def test_which_failures_are_a_lost_peer(single_process_group, error, lost):
     assert peers.is_lost_peer(error) is lost
 
 
@@ -83,3 +85,26 @@ def test_the_first_rank_to_report_a_timeout_prints_it(tmp_path):
     assert not peers.first_to_report(watch, {**report, "rank": 2})
     saved = tmp_path / heartbeat.DIRECTORY / "peer_lost.42.json"
     assert json.loads(saved.read_text()) == report
+
+
+@pytest.mark.parametrize(
+    ("case", "within", "line"),
+    [
+        ("slow", (1.5, 4), r"belief-lm: rank 1: rank_zero_first's wait for rank 0: rank 0 is "
+         r"alive but did not finish within parallel.rank_zero_wait_s=2 s"),
+        ("silent", (3.5, 8), r"belief-lm: rank 1: rank_zero_first's wait for rank 0 timed out "
+         r"after \d s; not arrived: rank 0 \(host \S+, pid \d+; last heartbeat \d s ago, at "
+         r"step 0\)"),
+    ],
+    ids=["slow", "silent"],
+)  # fmt: skip
+def test_rank_zero_first_waits_while_rank_zero_beats(tmp_path, case, within, line):
+    """Rank 0's one-off work (a tokenizer, a conversion) may take long: the others wait up
+    to parallel.rank_zero_wait_s, but a rank 0 that stops answering is lost within
+    parallel.timeout_s (its heartbeat), whatever the wait allows."""
+    result = torchrun(2, "tests/parallel/rank_zero_wait.py", str(tmp_path), case, timeout=120)
+    assert (tmp_path / "rank1.json").exists(), result.stderr[-3000:]
+    report = json.loads((tmp_path / "rank1.json").read_text())
+    assert within[0] < report["seconds"] < within[1], report
+    assert re.fullmatch(line, report["line"]), report["line"]
+    assert report["silent"] == ([0] if case == "silent" else [])
