@@ -13,10 +13,10 @@ own, train on as orphans. Here:
   connections close until the workers noticed (seconds); the group is killed at once;
 - a rank that fails (any other exit) ends the others, which cannot go on without it: one
   line names it (rank, pid, host, exit code or signal) unless it said itself what happened
-  (exit_codes.PEER_LOST: it names the silent rank); the others, whose collectives fail at
-  once, exit quietly with PEER_LOST (belief_lm.parallel.peers). A stopped rank is continued
-  so that it can end; any rank still there after QUIET_S gets SIGTERM, after STOP_GRACE_S
-  SIGKILL. The failed rank's exit code is this command's;
+  (exit_codes.PEER_LOST: it names the silent ranks, which are killed at once); the others,
+  whose collectives fail at once, exit quietly with PEER_LOST (belief_lm.parallel.peers).
+  A stopped rank is continued so that it can end; any rank still there after QUIET_S gets
+  SIGTERM, after STOP_GRACE_S SIGKILL. The failed rank's exit code is this command's;
 - with launch.failure_restarts=N, a failure other than bad input (2), loss spikes (3, a
   person's call) or a stop (75) starts the ranks again, up to N times, on a new port: they
   resume from the newest checkpoint, and the restart's cause goes to starts.jsonl (the
@@ -184,6 +184,8 @@ def _watch(
                 failed_at = time.monotonic()
                 _kill_group(ranks[failure.rank])  # its loader workers hold its sockets open
                 _report(failure, run_dir, since, len(ranks), timeout_s)
+                for silent in _named_silent(failure, run_dir, since, len(ranks)):
+                    _kill_group(ranks[silent])  # it cannot save without its peers either
                 _signal_all(ranks, signal.SIGCONT)  # a stopped rank can end only if continued
         if not running:
             break
@@ -241,8 +243,16 @@ def _signal_all(ranks: list[subprocess.Popen], signum: int) -> None:
             rank.send_signal(signum)
 
 
+def _named_silent(failure: Failure, run_dir: Path, since: float, world: int) -> list[int]:
+    """The ranks that the rank which found a silent peer named (none for other failures)."""
+    report = _peer_report(run_dir, since) if failure.code == PEER_LOST else None
+    silent = report.get("silent", []) if report else []
+    return [rank for rank in silent if isinstance(rank, int) and 0 <= rank < world]
+
+
 def _kill_group(rank: subprocess.Popen) -> None:
-    """SIGKILL what is left of the rank's process group (the rank has ended)."""
+    """SIGKILL the rank's process group: the rank, if it still runs, and its loader
+    workers."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(rank.pid, signal.SIGKILL)
 

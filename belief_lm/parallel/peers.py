@@ -48,8 +48,9 @@ VANISHED = re.compile(
 BACKEND = re.compile(r"gloo|nccl|c10d|ProcessGroup", re.I)
 """A message from a communication backend (an exception raised outside a collective's own
 frame: a Work.wait() of an asynchronous collective)."""
-WRAPPERS = re.compile(r"deepspeed/comm/")
-"""Code that only passes a collective on (its caller is the one to name)."""
+WRAPPERS = re.compile(r"deepspeed/comm/|deepspeed/utils/nvtx|typing_extensions|/contextlib\.py")
+"""Code that only passes a collective on (its caller is the one to name): DeepSpeed's
+communication layer, decorators."""
 STALE_INTERVALS = 3
 """A rank is silent when its heartbeat is this many intervals old."""
 SHOWN = 8
