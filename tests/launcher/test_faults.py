@@ -75,6 +75,7 @@ def assert_ends_naming(job, run_dir: Path, log: Path, silent: int, timeout_s: in
     stopped_at = time.monotonic()
     code = ended(job, run_dir, timeout=timeout_s + 120)
     took = time.monotonic() - stopped_at
+    print(f"ended {took:.1f} s after rank 1 stopped (parallel.timeout_s={timeout_s})")
     assert code == PEER_LOST, log.read_text()[-3000:]
     assert timeout_s - 1 < took < timeout_s + 60, took
     lines = fault_lines(log)
@@ -214,6 +215,7 @@ def test_the_job_script_restarts_failed_steps_as_configured(capsys):
          '"cause": "rank failed", "rank": 0, "host": "node1", "exit_code": 1'),
         (143, "", '"cause": "rank died", "rank": null, "host": "", "signal": "SIGTERM"'),
     ],
+    ids=["died", "peer-lost", "failed", "without-srun-lines"],
 )  # fmt: skip
 def test_the_job_script_records_what_failed(tmp_path, status, errors, cause):
     """The template's restart_cause: srun's lines about its tasks -> starts.jsonl's JSON."""
