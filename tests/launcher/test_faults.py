@@ -214,8 +214,10 @@ def test_the_job_script_restarts_failed_steps_as_configured(capsys):
         (1, "srun: error: node1: tasks 0-1: Exited with exit code 1\n",
          '"cause": "rank failed", "rank": 0, "host": "node1", "exit_code": 1'),
         (143, "", '"cause": "rank died", "rank": null, "host": "", "signal": "SIGTERM"'),
+        (69, "srun: error: node1: task 0: Exited with exit code 69\nsrun: error: node2: task "
+         "1: Killed\n", '"cause": "peer lost", "rank": 1, "host": "node2", "signal": "SIGKILL"'),
     ],
-    ids=["died", "peer-lost", "failed", "without-srun-lines"],
+    ids=["died", "peer-lost", "failed", "without-srun-lines", "silent-killed-by-srun"],
 )  # fmt: skip
 def test_the_job_script_records_what_failed(tmp_path, status, errors, cause):
     """The template's restart_cause: srun's lines about its tasks -> starts.jsonl's JSON."""
