@@ -29,8 +29,10 @@ config, data or checkpoint (nothing was run; a damaged checkpoint named explicit
 `checkpoint verify` finding the newest one damaged); 3 the loss spiked train.spike.max_in_row
 steps in a row with train.spike.action=stop (the last step was saved); 65 a data source
 failed mid-run (the last completed step was saved; the message names the source, file and
-row); 75 stopped by SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint (requeue the job:
-it resumes from there). BELIEF_LM_VERBOSE=1 shows the libraries' messages that are
+row); 69 another rank was lost (a collective timed out waiting for a silent rank, named in
+one line, or a peer died; nothing saved: resume from the last checkpoint); 75 stopped by
+SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint (requeue the job: it resumes from
+there). BELIEF_LM_VERBOSE=1 shows the libraries' messages that are
 otherwise kept off the console (belief_lm/logs.py).
 
 This module parses, calls a library function and prints; the work is elsewhere.
@@ -344,10 +346,19 @@ def _train(cfg: Config) -> int:
     # caught from the first moment (before the heavy imports), then ignored until the process
     # ends: no signal during start-up or after the save may kill the rank
     stop = StopRequests().catch()
+    from belief_lm.parallel.peers import PeerLost
     from belief_lm.train.loop import DataStop, NonFiniteLossError, SpikeStop, train
 
     try:
         result = train(cfg, stop)
+    except PeerLost as lost:  # one line from the rank that knows (or none), no traceback
+        if lost.line is not None:
+            print(lost.line, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # not a normal exit: the process group's destructor would join a worker thread that
+        # may still wait on the silent rank (an abandoned asynchronous wait)
+        os._exit(exit_codes.PEER_LOST)
     except Preempted as stopped:
         logging.getLogger("belief_lm").warning("%s; exiting with %d", stopped, exit_codes.PREEMPTED)
         return exit_codes.PREEMPTED
@@ -437,7 +448,7 @@ def _launch(args: argparse.Namespace, cfg: Config) -> int:
             for env, command in local.rank_commands(cfg, train_args, port):
                 print(shlex.join([f"{k}={v}" for k, v in env.items()] + command))
             return exit_codes.DONE
-        return local.run(cfg, train_args, port)  # the ranks' exit code (75 passes through)
+        return local.run(cfg, train_args, free_port)  # the ranks' code (75 passes through)
     script = slurm.render(cfg, train_args)
     if args.dry_run:
         print(script, end="")

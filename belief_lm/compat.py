@@ -1,15 +1,88 @@
-"""Every place belief-lm relies on a private part of megatron-core or DeepSpeed, in one file.
+"""Every place belief-lm relies on a private part of torch.distributed, megatron-core or
+DeepSpeed, in one file.
 
-Each reach below says what it assumes and why we need it; `tests/test_compat.py` checks
-every assumption against the installed versions (megatron-core 0.16, DeepSpeed 0.19), so an
-upgrade that breaks one fails there, naming it, rather than somewhere in training.
+Each reach says what it assumes and why we need it; `tests/test_compat.py` and
+`tests/parallel/test_compat.py` check every assumption against the installed versions, so
+an upgrade that breaks one fails there, naming it, rather than somewhere in training.
+
+torch.distributed:
+- The timeout of process groups made without one. torch gives every group made by
+  `new_group()` without a `timeout` its backend's default (30 minutes on gloo, 10 on
+  NCCL), not the world's: DeepSpeed's pipeline grid, its ZeRO helpers and any group made
+  later would wait half an hour for a silent rank. torch reads that default from two
+  module globals of `distributed_c10d` at each `new_group()`, and offers no setter.
+- Which collective an exception came from: the frames of `distributed_c10d`'s public
+  functions hold the collective's name and its `group` argument.
+
+megatron-core: its linears' private GEMM call and dgrad all-reduce flag (RowLinear,
+ColumnLinear, for torch.compile), and the `_extra_state` entries of its state dicts.
+
+DeepSpeed: where its engine takes a step's gradient norm from, and which C++ ops it may
+build on a CPU.
 """
 
 from __future__ import annotations
 
+import types
+from datetime import timedelta
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor
+from torch.distributed import distributed_c10d
+
+# torch.distributed -----------------------------------------------------------------------
+
+_C10D_FILE = Path(distributed_c10d.__file__).resolve()
+
+
+def set_default_group_timeout(timeout: timedelta) -> None:
+    """Every process group made from now on without an explicit timeout gets `timeout`
+    (gloo and NCCL alike)."""
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def default_group_timeout() -> timedelta:
+    """The timeout a group made now without an explicit one would get (gloo)."""
+    return distributed_c10d._get_default_timeout(dist.Backend.GLOO)
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
+    """The timeout of `group`'s host-side (gloo) or CUDA backend (the world if None)."""
+    group = group or dist.group.WORLD
+    device = torch.device("cpu" if torch.device("cpu") in group._device_types else "cuda")
+    return group._get_backend(device).options._timeout
+
+
+def all_groups() -> list[dist.ProcessGroup]:
+    """Every process group this process is a member of (the world first)."""
+    world = dist.group.WORLD
+    members = [g for g in distributed_c10d._world.pg_map if g is not world and g.rank() >= 0]
+    return [world, *members]
+
+
+def failed_collective(
+    traceback: types.TracebackType | None,
+) -> tuple[str, dist.ProcessGroup | None, list[types.FrameType]] | None:
+    """(the collective's name, its group (None: the world), the frames that led to it,
+    outermost first) for an exception raised inside a torch.distributed collective; None
+    if it was not. The name is the outermost torch function on the stack
+    (`broadcast_object_list`, not the `broadcast` it runs)."""
+    frames = []
+    while traceback is not None:
+        frames.append(traceback.tb_frame)
+        traceback = traceback.tb_next
+    for i, frame in enumerate(frames):
+        if Path(frame.f_code.co_filename).resolve() == _C10D_FILE:
+            callers = [f for f in frames[:i] if "torch/distributed/" not in f.f_code.co_filename]
+            return frame.f_code.co_name, frame.f_locals.get("group"), callers
+    return None
+
+
+# megatron-core ---------------------------------------------------------------------------
 
 
 class RowLinear(RowParallelLinear):
@@ -43,6 +116,9 @@ def drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
     the None default when loading."""
     for key in [k for k, v in state_dict.items() if k.endswith("._extra_state") and v is None]:
         del state_dict[key]
+
+
+# DeepSpeed -------------------------------------------------------------------------------
 
 
 def report_grad_norm(optimizer: torch.optim.Optimizer, norm: float) -> None:

@@ -173,7 +173,14 @@ class ParallelConfig(Section):
     """DeepSpeed ZeRO stage for the data-parallel optimizer state (at most 1 with a
     pipeline)."""
     timeout_s: PositiveInt = 600
-    """Seconds a rank waits in a collective before failing, so a dead peer ends the job."""
+    """Seconds a rank waits in a collective before failing: every process group of the run
+    (ours, megatron-core's, DeepSpeed's) has it, so a silent rank ends the job with exit
+    code 69 within about this long, one line naming the collective and the silent ranks.
+    Longer than any step, save or evaluation takes; shorter than the time you would lose."""
+    rank_zero_wait_s: PositiveInt = 7200
+    """Seconds the other ranks wait for rank 0's one-off work before failing (training the
+    tokenizer, converting a checkpoint, downstream evaluation): longer than that work takes.
+    A rank 0 that stops answering meanwhile is found within timeout_s (its heartbeat)."""
 
 
 class SpikeConfig(Section):
@@ -406,6 +413,11 @@ class LaunchConfig(Section):
     itself; 0: no warning."""
     max_restarts: int = Field(20, ge=0)
     """Requeues after which a job that asks for another stops instead."""
+    failure_restarts: int = Field(0, ge=0)
+    """Restarts in place after a failure: when a rank dies or the job fails with any code
+    but 0, 2, 3 or 75, `launch local` and the sbatch template start the ranks again in the
+    same allocation, resuming from the newest checkpoint, up to this many times (each one
+    recorded in starts.jsonl). 0: a failure ends the job."""
     log_dir: str | None = None
     """Where SLURM writes job logs and the rendered script; None: <run.output_dir>/slurm."""
     container_image: SlurmWord | None = None

@@ -21,6 +21,12 @@ DATA_FAULT = 65
 """A data source failed mid-run (too many unusable rows, a corrupt row group with
 data.on_corrupt_row_group=stop, a vanished file, an unreachable hub): the last completed
 step was saved; the message names the source, file and row (EX_DATAERR)."""
+PEER_LOST = 69
+"""Another rank of the job was lost: a collective timed out waiting for a silent rank (one
+line names the collective and the ranks that did not arrive), or a peer's connection
+closed because it died (its launcher names it). Nothing was saved (a checkpoint needs
+every rank): the run resumes from its last checkpoint (launch.failure_restarts restarts it
+in place; EX_UNAVAILABLE)."""
 PREEMPTED = 75
 """Stopped by SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint (EX_TEMPFAIL, 'try again
 later'): requeue the job and it resumes from there."""

@@ -76,6 +76,7 @@ def render(cfg: Config, train_args: list[str], command: str | None = None) -> st
         f"CONTAINER_IMAGE={shlex.quote(launch.container_image or '')}",
         f"CONTAINER_MOUNTS={shlex.quote(','.join(launch.container_mounts))}",
         f"MAX_RESTARTS={launch.max_restarts}",
+        f"FAILURE_RESTARTS={launch.failure_restarts}",
         *(f"export {key}={shlex.quote(value)}" for key, value in launch.env.items()),
         "# <<< settings",
     ]

@@ -50,6 +50,7 @@ from belief_lm.checkpoint.manifest import (
     write_manifest,
 )
 from belief_lm.checkpoint.writer import CheckpointWriter, install
+from belief_lm.parallel.peers import name_group
 
 log = logging.getLogger("belief_lm.checkpoint")
 
@@ -214,7 +215,8 @@ class Checkpointer:
         """The ranks' host-side group for the flags and records (made at first use, which
         is collective: every rank reaches it at the same call)."""
         if self._group is None:
-            self._group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo")
+            self._group = name_group(group, "the checkpoint-agreement group")
         return self._group
 
 

@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 
 from belief_lm.attention import ShardSum
+from belief_lm.parallel import peers
 
 T = TypeVar("T")
 
 RANK_ZERO_FIRST_TIMEOUT = timedelta(hours=2)
 """How long the other ranks wait for rank 0's first run (training a tokenizer on a large
-sample, converting a large checkpoint): longer than any collective's timeout."""
+sample, converting a large checkpoint) outside a training run; a training run waits
+parallel.rank_zero_wait_s (belief_lm.parallel.peers)."""
 
 
 def tensor_parallel_sum(group: dist.ProcessGroup | None) -> ShardSum | None:
@@ -68,10 +70,13 @@ def rank_zero_first(work: Callable[[], T]) -> T:
     whose first run fills a cache the others then read (a trained tokenizer, a checkpoint
     converted to the universal form). Collective; without a process group it just runs.
 
-    The wait is on a gloo group of its own with a long timeout: the job's default group
-    may be NCCL (a GPU barrier) with a timeout sized for collectives, not for this. If
-    rank 0's run fails, every rank fails at once with its message (a ValueError stays a
-    ValueError: bad input is reported as such everywhere) instead of waiting.
+    The wait is on a gloo group of its own with a long timeout (parallel.rank_zero_wait_s
+    in a training run): the job's default group may be NCCL (a GPU barrier) with a
+    timeout sized for collectives, not for this. Meanwhile the others watch rank 0's
+    heartbeat: a rank 0 silent for parallel.timeout_s is lost (peers.PeerLost) long
+    before the wait would end. If rank 0's run fails, every rank fails at once with its
+    message (a ValueError stays a ValueError: bad input is reported as such everywhere)
+    instead of waiting.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return work()
@@ -82,6 +87,9 @@ def rank_zero_first(work: Callable[[], T]) -> T:
             result = work()
         except Exception as err:  # told to the others below, then raised here
             failure = err
+    done = torch.zeros(1)
+    waiting = dist.broadcast(done, src=0, group=group, async_op=True)
+    peers.wait_for_rank_zero(waiting, "rank_zero_first's wait for rank 0")
     outcome = [None if failure is None else (isinstance(failure, ValueError), str(failure))]
     dist.broadcast_object_list(outcome, src=0, group=group)
     if failure is not None:
@@ -100,11 +108,17 @@ def _waiting_group() -> dist.ProcessGroup:
     """rank_zero_first's gloo group: made at its first call in a world (collective, as every
     call is) and kept for the world's life. Destroying it after each wait deadlocked on
     torch 2.6: the group's destructor joins its worker threads holding the GIL while a
-    worker, freeing the finished broadcast's tensors, waits for the GIL."""
+    worker, freeing the finished broadcast's tensors, waits for the GIL. Its timeout is a
+    minute past parallel.rank_zero_wait_s, so the watch's clearer message comes first."""
     global _waiting
     world = dist.group.WORLD
     if _waiting is None or _waiting[0] is not world:
-        _waiting = (world, dist.new_group(backend="gloo", timeout=RANK_ZERO_FIRST_TIMEOUT))
+        watch = peers.current()
+        timeout = RANK_ZERO_FIRST_TIMEOUT
+        if watch is not None:
+            timeout = timedelta(seconds=watch.rank_zero_wait_s + 60)
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        _waiting = (world, peers.name_group(group, "rank_zero_first's group"))
     return _waiting[1]
 
 

@@ -6,12 +6,14 @@ same layout as DeepSpeed's PipeModelDataParallelTopology; the 3D engine asserts 
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from belief_lm import compat
 from belief_lm.parallel.dims import Layout, ParallelDims
 from belief_lm.parallel.env import ProcessEnv
 from belief_lm.runtime import backend_for
@@ -20,21 +22,27 @@ from belief_lm.runtime import backend_for
 def init_distributed(env: ProcessEnv, device: torch.device, timeout_s: float = 600) -> None:
     """Join the job's process group (nccl on GPU, gloo on CPU) unless already joined.
 
-    The timeout bounds how long a rank waits on a dead peer before failing.
+    The timeout bounds how long a rank waits in a collective on a silent peer before
+    failing: the world's, and that of every group made later (megatron's get it passed,
+    DeepSpeed's and the rest by default). On NCCL the wait is done by torch's watchdog
+    thread, which ends the process at the timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=1:
+    abort the communicators, then exit) instead of leaving it hanging on the GPU.
     """
     if dist.is_initialized():
         return
+    timeout = timedelta(seconds=timeout_s)
+    compat.set_default_group_timeout(timeout)  # before DeepSpeed's first group
+    if device.type == "cuda":  # read when the NCCL group is made; a setting of the user's stays
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     import deepspeed
 
-    from belief_lm.compat import disable_shm_comm
-
     if device.type == "cpu":
-        disable_shm_comm()  # a C++ build DeepSpeed's CPU backend would start for nothing
+        compat.disable_shm_comm()  # a C++ build DeepSpeed's CPU backend would start for nothing
     env.export()
     deepspeed.init_distributed(
         dist_backend=backend_for(device),
         auto_mpi_discovery=False,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
 
 
@@ -51,7 +59,10 @@ def init_model_parallel(tensor: int, pipeline: int) -> Layout:
             ps.destroy_model_parallel()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline
+            tensor_model_parallel_size=tensor,
+            pipeline_model_parallel_size=pipeline,
+            # the job's collective timeout (megatron takes minutes; a fraction is fine)
+            distributed_timeout_minutes=compat.default_group_timeout().total_seconds() / 60,
         )
     return Layout(
         tensor=tensor,

@@ -6,10 +6,11 @@ Right after such a save, rank 0 evaluates the checkpoint in a process of its own
 consolidated fp32 weights at TP=1, so every layout works alike (TP, PP, ZeRO-3), and the
 training process's process groups and engine are left as they are. That process needs
 room for one more fp32 copy of the model on rank 0's device. The other ranks wait on a
-gloo group with a long timeout (collectives.rank_zero_first), not in a collective bounded
-by parallel.timeout_s. The scores go to metrics.jsonl (keys `task/metric`, beside the
-validation loss) and tensorboard (`downstream/task/metric`); lm-eval's whole results
-(standard errors included) to run_dir/downstream/step_NNNNNN.json.
+gloo group for up to parallel.rank_zero_wait_s (collectives.rank_zero_first), not in a
+collective bounded by parallel.timeout_s, while rank 0's heartbeat shows it alive. The
+scores go to metrics.jsonl (keys `task/metric`, beside the validation loss) and
+tensorboard (`downstream/task/metric`); lm-eval's whole results (standard errors
+included) to run_dir/downstream/step_NNNNNN.json.
 """
 
 from __future__ import annotations

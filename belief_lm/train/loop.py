@@ -25,6 +25,7 @@ from belief_lm.checkpoint import store
 from belief_lm.checkpoint.files import CheckpointError
 from belief_lm.config import Config, padded_vocab_size
 from belief_lm.parallel import env as process_env
+from belief_lm.parallel import peers
 from belief_lm.parallel.collectives import on_rank_zero, rank_zero_first
 from belief_lm.parallel.dims import Layout
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
@@ -83,7 +84,9 @@ class TrainResult:
 def train(cfg: Config, stop: StopRequests | None = None) -> TrainResult:
     """Run `cfg` to train.max_steps. Stop signals are caught from here on, or by `stop`, the
     caller's active StopRequests (the CLI catches them from its first moment)."""
-    with StopRequests() if stop is None else contextlib.nullcontext(stop) as stop:
+    requests = StopRequests() if stop is None else contextlib.nullcontext(stop)
+    # a collective that fails because a peer is silent or gone raises peers.PeerLost
+    with requests as stop, peers.watching():
         trainer = Trainer.build(cfg)
         result = TrainResult(run_dir=trainer.run_dir, steps=cfg.train.max_steps)
         try:
@@ -95,6 +98,7 @@ def train(cfg: Config, stop: StopRequests | None = None) -> TrainResult:
                         trainer.save()  # the last completed step, data position included
                     raise DataStop(f"{fault}; stopped after step {trainer.step}") from None
                 step = trainer.step
+                peers.beat(step)
                 if trainer.trainee.update_skipped:
                     skipped_in_a_row(result, step, cfg.train.max_nonfinite_steps, trainer)
                 if trainer.due(cfg.run.log_interval):
@@ -115,6 +119,10 @@ def train(cfg: Config, stop: StopRequests | None = None) -> TrainResult:
                 if stopping:
                     raise Preempted(step)
             trainer.checkpoints.wait()  # the last save, if it is still being written
+        except RuntimeError as err:
+            if peers.is_lost_peer(err):  # the step cannot finish: no orderly stop
+                peers.end_child_processes()
+            raise
         finally:
             trainer.close()  # loader workers stopped while stop signals are still caught
     return result
@@ -204,6 +212,7 @@ class Trainer:
         plan = preflight(cfg, env.world_size, device.type)
         check_data(cfg.data)
         init_distributed(env, device, cfg.parallel.timeout_s)
+        peers.start(cfg.run.output_dir, cfg.parallel.timeout_s, cfg.parallel.rank_zero_wait_s)
         layout = init_model_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
         # the checkpoint's files read through once between the ranks, before any work
         resume = checkpointing.verified_resume(plan.resume, cfg, plan.dims)

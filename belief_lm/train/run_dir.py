@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from pathlib import Path
 
 from belief_lm.config import Config
@@ -24,8 +25,13 @@ def prepare_run_dir(cfg: Config, write: bool = True) -> Path:
 
 STARTS = "starts.jsonl"
 """One line per start of the run: {"step": the step it started from (0, or the checkpoint
-it resumed), "time", "world_size", "git_commit", "host"}; `belief-lm report` counts the
-resumes from it."""
+it resumed), "time", "world_size", "git_commit", "host"}, and for a restart in place after
+a failure (launch.failure_restarts) "restart": {"restart": k, "of": N, "cause": "rank
+died" | "rank failed" | "peer lost", "rank", "host", "signal" or "exit_code", and "silent":
+the ranks a peer-lost report named}; `belief-lm report` counts the resumes from it."""
+RESTART_VARIABLE = "BELIEF_LM_RESTART"
+"""Where the launcher (`launch local`, the sbatch template) that restarted the ranks in
+place puts the restart's cause (JSON) for this record (launcher.local.RESTART_VARIABLE)."""
 
 
 def record_start(run_dir: Path, step: int, world_size: int) -> None:
@@ -38,6 +44,12 @@ def record_start(run_dir: Path, step: int, world_size: int) -> None:
         "git_commit": environment["git_commit"],
         "host": environment["host"],
     }
+    restart = os.environ.get(RESTART_VARIABLE)
+    if restart:
+        try:
+            record["restart"] = json.loads(restart)
+        except ValueError:  # a hand-written value: kept as written
+            record["restart"] = restart
     with (run_dir / STARTS).open("a") as file:
         file.write(json.dumps(record) + "\n")
 

@@ -70,9 +70,12 @@ class StopRequests:
         import torch
         import torch.distributed as dist
 
+        from belief_lm.parallel.peers import name_group
+
         flag = torch.tensor(0 if self.received is None else 1, dtype=torch.int32)
         if dist.is_initialized():
             if self._group is None:  # the first call, on every rank alike
-                self._group = dist.new_group(backend="gloo")  # host-side flag, any backend
+                group = dist.new_group(backend="gloo")  # host-side flag, any backend
+                self._group = name_group(group, "the stop-request group")
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag)

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import cli_command, losses
+from tests.jobs import cli_command, losses, processes_mentioning
 
 from .conftest import HERE, ROOT, TINY_RUN, job_env, logged_steps, run
 
@@ -204,8 +206,11 @@ def test_a_cancelled_job_is_not_requeued(slurm_cluster, tmp_path):
     assert f"job {job_id} is COMPLETING (cancelled or out of time): not requeueing" in text
 
 
-def submit_training(conf: Path, run_dir: Path, cache_dir: str, steps: int) -> tuple[int, Path]:
-    """The template by hand with the real trainer: 2 nodes, one data-parallel rank each."""
+def submit_training(
+    conf: Path, run_dir: Path, cache_dir: str, steps: int, **env: str
+) -> tuple[int, Path]:
+    """The template by hand with the real trainer: 2 nodes, one data-parallel rank each
+    (`env`: more variables for the job, e.g. the template's FAILURE_RESTARTS)."""
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     out = run(
         [
@@ -214,7 +219,7 @@ def submit_training(conf: Path, run_dir: Path, cache_dir: str, steps: int) -> tu
             "run.log_interval=1", f"checkpoint.interval={CHECKPOINT_INTERVAL}",
             f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}",
         ],
-        timeout=60, cwd=ROOT, env=job_env(SLURM_CONF=str(conf), PATH=path),
+        timeout=60, cwd=ROOT, env=job_env(SLURM_CONF=str(conf), PATH=path, **env),
     ).stdout  # fmt: skip
     return int(out.strip()), Path(f"{run_dir}.log")
 
@@ -334,3 +339,65 @@ def test_a_job_requeued_onto_fewer_nodes_continues_the_run(
     assert sorted(resumed) == list(range(1, STEPS + 1))  # no step lost or repeated
     for step in range(stopped + 1, STEPS + 1):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+
+
+def kill_rank_one(run_dir: Path, log: Path, rows: int) -> None:
+    """SIGKILL task 1's trainer (on node2; the nodes share this machine's process ids)
+    once `rows` steps are logged."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < rows:
+        assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
+        time.sleep(0.2)
+    mine = set(processes_mentioning(str(run_dir)))
+    for pid in mine:
+        proc = Path("/proc") / str(pid)
+        parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        environ = (proc / "environ").read_bytes().split(b"\0")
+        if parent not in mine and b"SLURM_PROCID=1" in environ:  # the rank, not its workers
+            os.kill(pid, signal.SIGKILL)
+            return
+    pytest.fail(f"no trainer of task 1 among {sorted(mine)}")
+
+
+def test_a_dead_task_restarts_in_place_and_continues_like_an_uninterrupted_job(
+    slurm_cluster, tmp_path, cache_dir, uninterrupted
+):
+    """FAILURE_RESTARTS=1 (launch.failure_restarts): task 1's trainer is SIGKILLed mid-run;
+    srun names it in one line, task 0 exits quietly, and the template starts the tasks
+    again in the same allocation (no requeue): they resume from the newest checkpoint, the
+    job completes with the uninterrupted job's losses, and starts.jsonl records why."""
+    run_dir = tmp_path / "restarted"
+    job_id, log = submit_training(slurm_cluster, run_dir, cache_dir, STEPS, FAILURE_RESTARTS="1")
+    kill_rank_one(run_dir, log, CHECKPOINT_INTERVAL + 2)
+    state = wait_for_job(slurm_cluster, job_id, timeout=400)
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "0", text[-4000:]
+    assert re.search(r"^srun: error: node2: task 1: Killed$", text, re.M), text[-4000:]
+    assert "belief-lm: training step exited with 137; restarting the tasks from the newest " \
+        "checkpoint (failure restart 1 of 1)" in text  # fmt: skip
+    assert "Traceback" not in text
+    resumed = losses(run_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert resumed == uninterrupted
+    starts = [json.loads(line) for line in (run_dir / "starts.jsonl").read_text().splitlines()]
+    assert len(starts) == 2 and starts[1]["step"] % CHECKPOINT_INTERVAL == 0 < starts[1]["step"]
+    assert starts[1]["restart"] == {
+        "restart": 1, "of": 1, "cause": "rank died", "rank": 1, "host": "node2",
+        "signal": "SIGKILL",
+    }  # fmt: skip
+
+
+def test_a_dead_task_without_failure_restarts_ends_the_job_with_its_code(
+    slurm_cluster, tmp_path, cache_dir
+):
+    """The default (no failure restarts): the job fails with the dead task's code (137,
+    SIGKILL), srun's line names it, and no traceback."""
+    run_dir = tmp_path / "failed"
+    job_id, log = submit_training(slurm_cluster, run_dir, cache_dir, STEPS)
+    kill_rank_one(run_dir, log, 2)
+    state = wait_for_job(slurm_cluster, job_id, timeout=300)
+    text = log.read_text()
+    assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("FAILED", "137:0", "0")
+    assert re.search(r"^srun: error: node2: task 1: Killed$", text, re.M), text[-4000:]
+    assert "belief-lm: training step exited with 137\n" in text and "restarting" not in text
+    assert "Traceback" not in text

@@ -198,8 +198,8 @@ def children(pid: int) -> dict[int, int]:
 def test_launch_local_stops_however_signalled_and_continues_like_one_process(tmp_path, tiny_config):
     """2 ranks with 2 loader workers each, started by `launch local`, stopped mid-run:
     1. SIGUSR1 to rank 1 alone: both ranks save the same step, the launcher exits 75;
-    2. SIGTERM to the whole process group (launcher, ranks, loader workers), as a terminal's
-       Ctrl-C or SLURM's scancel deliver it: 75 again;
+    2. SIGTERM to every process of the job (launcher, ranks, loader workers: the process
+       groups of the launcher and of each rank), as SLURM's scancel delivers it: 75 again;
     3. the launcher SIGKILLed: its ranks still stop, save and end (no orphans).
     Resumed each time, the steps trained are those of one uninterrupted process (the same
     global batches at any data-parallel size)."""
@@ -235,7 +235,9 @@ def test_launch_local_stops_however_signalled_and_continues_like_one_process(tmp
         os.kill(children(job.pid)[1], signal.SIGUSR1)
 
     def process_group(job):
-        os.killpg(job.pid, signal.SIGTERM)
+        ranks = children(job.pid).values()
+        for group in (job.pid, *ranks):  # each rank leads a process group of its own
+            os.killpg(group, signal.SIGTERM)
 
     def launcher_killed(job):
         job.kill()

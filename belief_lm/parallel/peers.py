@@ -1,0 +1,326 @@
+"""A lost peer: what a rank does when a collective fails because another rank of the job
+stopped answering (the collective timed out) or vanished (its connection closed).
+
+Either way the job cannot go on (every later collective needs that rank, a checkpoint
+too), so the rank exits with exit_codes.PEER_LOST, and quietly: the process that knows
+what happened says it, in one line.
+- A rank that died: its launcher knows its exit code or signal (`launch local`, srun,
+  torchrun each print one line), so the survivors, whose collectives fail at once with
+  "Connection closed by peer", print nothing.
+- A rank that went silent (stopped, frozen, off the network): only a rank whose collective
+  timed out knows. It reads the heartbeats (belief_lm.parallel.heartbeat) of the
+  collective's group and names the silent ones, and the collective and its caller. Several
+  ranks may time out at once (each waits for the silent rank or for one that waits for
+  it): the first to create `heartbeats/peer_lost.<run>.json` prints the line (and leaves
+  it there as JSON, for launchers and people), the others stay quiet.
+
+A job's ranks agree on a run token when the watch starts, so a restarted job reports its
+own faults, not an earlier run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from belief_lm import compat
+from belief_lm.parallel import heartbeat
+
+TIMED_OUT = re.compile(r"timed out|timeout", re.I)
+"""gloo: 'Timed out waiting 10000ms for recv operation'; NCCL: 'Watchdog caught collective
+operation timeout'."""
+VANISHED = re.compile(
+    r"connection (closed|reset) by peer|broken pipe|connection refused|remote worker crash"
+    r"|remote process exited|communicator was aborted",
+    re.I,
+)
+"""A peer's end of the connection is gone (gloo, NCCL)."""
+BACKEND = re.compile(r"gloo|nccl|c10d|ProcessGroup", re.I)
+"""A message from a communication backend (an exception raised outside a collective's own
+frame: a Work.wait() of an asynchronous collective)."""
+WRAPPERS = re.compile(r"deepspeed/comm/|deepspeed/utils/nvtx|typing_extensions|/contextlib\.py")
+"""Code that only passes a collective on (its caller is the one to name): DeepSpeed's
+communication layer, decorators."""
+STALE_INTERVALS = 3
+"""A rank is silent when its heartbeat is this many intervals old."""
+SHOWN = 8
+"""Silent ranks described one by one in the line; more are counted."""
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because a peer is silent or gone (exit_codes.PEER_LOST)."""
+
+    def __init__(self, message: str, line: str | None, silent: list[int] | None = None):
+        super().__init__(message)
+        self.line = line
+        """The one line to print; None where another process reports it."""
+        self.silent = silent or []
+        """The ranks found silent (empty: a vanished peer, or none silent)."""
+
+
+@dataclass
+class Watch:
+    """This process's watch over its peers (started by `start`)."""
+
+    run_dir: Path
+    timeout_s: float
+    """parallel.timeout_s: how long a collective waits."""
+    rank_zero_wait_s: float
+    """parallel.rank_zero_wait_s: how long the others wait for rank 0's one-off work."""
+    heartbeat: heartbeat.Heartbeat
+    token: int
+    """This run of the job (rank 0's start time in ms, the same on every rank)."""
+
+    @property
+    def silent_after_s(self) -> float:
+        return STALE_INTERVALS * self.heartbeat.interval
+
+
+_watch: Watch | None = None
+
+
+def start(run_dir: str | Path, timeout_s: float, rank_zero_wait_s: float) -> Watch | None:
+    """Start this rank's heartbeat in `run_dir` and agree on the run's token (collective:
+    every rank calls it, once the process group is up). A job of one process has no peers
+    to watch: None."""
+    global _watch
+    stop()
+    if dist.get_world_size() == 1:
+        return None
+    # (NCCL broadcasts only CUDA tensors)
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    )
+    token = torch.tensor([int(time.time() * 1000)], dtype=torch.int64, device=device)
+    dist.broadcast(token, src=0)  # before any heartbeat: no report can race it
+    beat = heartbeat.Heartbeat(run_dir, dist.get_rank(), heartbeat.interval_for(timeout_s))
+    _watch = Watch(Path(run_dir).expanduser(), timeout_s, rank_zero_wait_s, beat.start(),
+                   int(token))  # fmt: skip
+    return _watch
+
+
+def stop() -> None:
+    """Stop the heartbeat (the run is over)."""
+    global _watch
+    if _watch is not None:
+        _watch.heartbeat.stop()
+        _watch = None
+
+
+def current() -> Watch | None:
+    """The running watch (None outside a training run: evaluate, tests)."""
+    return _watch
+
+
+def beat(step: int) -> None:
+    """Tell the heartbeat the optimizer steps done so far."""
+    if _watch is not None:
+        _watch.heartbeat.step = step
+
+
+def is_lost_peer(err: BaseException) -> bool:
+    """Whether `err` is a collective's failure because of a peer (timed out, or a peer's
+    connection closed)."""
+    if isinstance(err, PeerLost):
+        return True
+    message = str(err)
+    if not isinstance(err, RuntimeError) or not dist.is_initialized():
+        return False  # (a rendezvous that timed out: its own message says which)
+    if not (TIMED_OUT.search(message) or VANISHED.search(message)):
+        return False
+    if compat.failed_collective(err.__traceback__) is not None:
+        return True
+    # a backend's message outside a collective's frame (Work.wait()), not a timeout of
+    # something else (a download, a subprocess)
+    return isinstance(err, dist.DistError) or bool(BACKEND.search(message))
+
+
+def diagnose(err: BaseException) -> PeerLost | None:
+    """PeerLost for an exception from a collective that failed because of a peer, with
+    the line to print if this rank is the one to report it; None for any other exception.
+    (Reporting: call it once per failure.)"""
+    if isinstance(err, PeerLost):
+        return err
+    if not is_lost_peer(err):
+        return None
+    found = compat.failed_collective(err.__traceback__)
+    name, group, callers = found or ("a collective", None, [])
+    what = _describe(name, group, callers)
+    if VANISHED.search(str(err)):
+        return PeerLost(f"{what} failed: a peer's connection closed", line=None)
+    return timed_out_in(what, group)
+
+
+def timed_out_in(what: str, group: dist.ProcessGroup | None, waited_s: float | None = None):
+    """PeerLost for `what` (a collective on `group`) having timed out, naming the group's
+    silent ranks; its line is None unless this rank is the first to report."""
+    rank = dist.get_rank()
+    ranks = [r for r in dist.get_process_group_ranks(group or dist.group.WORLD) if r != rank]
+    if waited_s is None:
+        waited_s = compat.group_timeout(group).total_seconds()
+    message = f"rank {rank}: {what} timed out after {waited_s:.0f} s"
+    watch = current()
+    if watch is None:  # no heartbeats to judge by
+        message += f"; waiting for {ranks_phrase(ranks)}"
+        return PeerLost(message, line=f"belief-lm: {message}")
+    beats = heartbeat.read(watch.run_dir, ranks)
+    silent = heartbeat.silent(beats, watch.silent_after_s)
+    now = time.time()
+    if silent:
+        shown = [beats[r].describe(now) if beats[r] else f"rank {r} (no heartbeat)" for r in silent]
+        more = f" and {len(silent) - SHOWN} more" if len(silent) > SHOWN else ""
+        message += f"; not arrived: {', '.join(shown[:SHOWN])}{more}"
+    else:
+        message += (
+            f"; no rank of it is silent (heartbeats under {watch.silent_after_s:.0f} s old): "
+            f"{ranks_phrase(ranks)} wait elsewhere"
+        )
+    line = f"belief-lm: {message}"
+    report = {"rank": rank, "line": line, "silent": silent, "time": now}
+    return PeerLost(message, line if first_to_report(watch, report) else None, silent)
+
+
+def first_to_report(watch: Watch, report: dict) -> bool:
+    """Whether this rank is the first of the run to report a timeout (it leaves the report
+    in the heartbeat directory); True also where the file system cannot say."""
+    path = watch.run_dir / heartbeat.DIRECTORY / f"peer_lost.{watch.token}.json"
+    try:
+        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    with os.fdopen(descriptor, "w") as file:
+        file.write(json.dumps(report) + "\n")
+    return True
+
+
+def wait_for_rank_zero(work: dist.Work, what: str) -> None:
+    """Wait for `work` (an asynchronous collective that completes once rank 0 is done) for
+    up to parallel.rank_zero_wait_s while rank 0's heartbeat goes on; a rank 0 silent for
+    parallel.timeout_s is lost. Without a watch, a plain wait (the group's timeout)."""
+    watch = current()
+    if watch is None or dist.get_rank() == 0:
+        work.wait()
+        return
+    started = time.monotonic()
+    poll = min(watch.heartbeat.interval, 1.0)
+    while not work.is_completed():
+        waited = time.monotonic() - started
+        silent = heartbeat.silent(heartbeat.read(watch.run_dir, [0]), watch.timeout_s)
+        if silent or waited > watch.rank_zero_wait_s:
+            raise timed_out_in(what, None, waited) if silent else _too_long(what, waited, watch)
+        time.sleep(poll)
+    work.wait()  # raises what the collective met
+
+
+def _too_long(what: str, waited: float, watch: Watch) -> PeerLost:
+    message = (
+        f"rank {dist.get_rank()}: {what}: rank 0 is alive but did not finish within "
+        f"parallel.rank_zero_wait_s={watch.rank_zero_wait_s:g} s"
+    )
+    report = {"rank": dist.get_rank(), "line": f"belief-lm: {message}", "silent": []}
+    first = first_to_report(watch, report)
+    return PeerLost(message, f"belief-lm: {message}" if first else None)
+
+
+def _describe(name: str, group: dist.ProcessGroup | None, callers: list) -> str:
+    """'all_reduce over the tensor-parallel group (ranks 0-1) in .../mappings.py:38 _reduce':
+    the collective and the code that called it (past communication wrappers)."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    callers = [f for f in callers if not WRAPPERS.search(f.f_code.co_filename)] or callers
+    where = ""
+    if callers:
+        caller = callers[-1]
+        path = "/".join(Path(caller.f_code.co_filename).parts[-3:])
+        where = f" in {path}:{caller.f_lineno} {caller.f_code.co_name}"
+    return f"{name} over {group_role(group)} ({ranks_phrase(ranks)}){where}"
+
+
+_names: dict[int, tuple[dist.ProcessGroup, str]] = {}
+"""Our own groups' roles, by the group's id (the group kept alive with its name)."""
+
+
+def name_group(group: dist.ProcessGroup, role: str) -> dist.ProcessGroup:
+    """Give one of our own groups a role for the line that reports a timeout in it
+    ('the stop-request group')."""
+    _names[id(group)] = (group, role)
+    return group
+
+
+def group_role(group: dist.ProcessGroup | None) -> str:
+    """The group's role: the world, one of ours (name_group) or one of megatron's groups;
+    else 'a group'."""
+    if group is None or group is dist.group.WORLD:
+        return "the world"
+    if id(group) in _names and _names[id(group)][0] is group:
+        return _names[id(group)][1]
+    from megatron.core import parallel_state as ps
+
+    roles = {
+        "tensor-parallel": ps.get_tensor_model_parallel_group,
+        "pipeline-parallel": ps.get_pipeline_model_parallel_group,
+        "model-parallel": ps.get_model_parallel_group,
+        "data-parallel": ps.get_data_parallel_group,
+    }
+    for role, get in roles.items():
+        try:
+            if get() is group:
+                return f"the {role} group"
+        except (AssertionError, RuntimeError):  # megatron's groups not made
+            return "a group"
+    return "a group"
+
+
+def ranks_phrase(ranks: list[int]) -> str:
+    """'ranks 0-3, 8' (a large group stays one short phrase)."""
+    if not ranks:
+        return "no ranks"
+    ranks = sorted(ranks)
+    spans, first, previous = [], ranks[0], ranks[0]
+    for rank in ranks[1:]:
+        if rank != previous + 1:
+            spans.append((first, previous))
+            first = rank
+        previous = rank
+    spans.append((first, previous))
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[None]:
+    """Raise PeerLost for a collective that fails inside because of a peer (any other
+    exception passes as it is); stop the heartbeat on the way out."""
+    try:
+        yield
+    except PeerLost:
+        raise
+    except RuntimeError as err:
+        lost = diagnose(err)
+        if lost is None:
+            raise
+        raise lost from err
+    finally:
+        stop()
+
+
+def end_child_processes() -> None:
+    """Kill this process's multiprocessing children (data loader workers): with a peer
+    lost the step cannot finish, and a worker would take its loader's 5 s status interval
+    to notice that its trainer is gone. torch's DataLoader would take a killed worker for
+    a crash (its SIGCHLD handler raises): the default handling comes back first."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        child.kill()
