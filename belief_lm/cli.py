@@ -48,6 +48,7 @@ import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from belief_lm import exit_codes, logs
 from belief_lm.config import Config, ConfigError, load_config
@@ -260,8 +261,29 @@ def main(argv: list[str] | None = None) -> int:
             data_commands.prepare_source(cfg, args.output, args.workers, args.source)
         return exit_codes.DONE
     except (ConfigError, ValueError) as err:  # bad config, data or checkpoint: before work
-        print(f"belief-lm: {err}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        return _bad_input(err)
+
+
+PACKAGES = ("belief_lm", "data_pipeline", "launcher")
+"""The project's packages (installed side by side)."""
+
+
+def _bad_input(err: ValueError) -> int:
+    """Exit code 2 with one line for a ValueError belief-lm raised itself: its checks of
+    the command line, config, data and checkpoints, which come before any work. A
+    ValueError raised inside torch, DeepSpeed or another library is a failure, not bad
+    input: it goes on (a traceback, exit code 1)."""
+    frame = err.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    origin = Path(frame.tb_frame.f_code.co_filename).resolve() if frame else None
+    if origin is None or not any(origin.is_relative_to(p) for p in _OUR_PACKAGES):
+        raise err
+    print(f"belief-lm: {err}", file=sys.stderr)
+    return exit_codes.BAD_INPUT
+
+
+_OUR_PACKAGES = [Path(__file__).resolve().parents[1] / p for p in PACKAGES]
 
 
 def _plan(args: argparse.Namespace, cfg: Config) -> int:
@@ -329,8 +351,7 @@ def _from_checkpoint(args: argparse.Namespace) -> int:
             args.prompt, args.max_new_tokens, sampling, args.seed, use_cache=not args.no_cache
         )
     except ValueError as err:
-        print(f"belief-lm: {err}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        return _bad_input(err)
     print(completion.text)
     logging.getLogger("belief_lm").info(
         "%d new tokens in %.2f s (%.1f tokens/s)%s", completion.new_tokens, completion.seconds,
@@ -391,8 +412,7 @@ def _report(args: argparse.Namespace) -> int:
     try:
         print(report.report(args.run_dirs, args.out))
     except ValueError as err:  # a missing run directory, no metrics, no matplotlib
-        print(f"belief-lm: {err}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        return _bad_input(err)
     return exit_codes.DONE
 
 
@@ -404,8 +424,7 @@ def _verify_checkpoints(args: argparse.Namespace) -> int:
         try:
             print(seal_legacy(args.checkpoint))
         except ValueError as err:  # no such checkpoint, incomplete, or sealed already
-            print(f"belief-lm: {err}", file=sys.stderr)
-            return exit_codes.BAD_INPUT
+            return _bad_input(err)
         return exit_codes.DONE
     checksums = not args.sizes_only
     check = check_run(args.run_dir, checksums, args.workers)
@@ -424,8 +443,7 @@ def _evaluate(args: argparse.Namespace) -> int:
                 args.checkpoint, args.data, args.tensor, args.batches, args.micro_batch_size
             )
     except ValueError as err:  # a missing or unusable checkpoint or data source
-        print(f"belief-lm: {err}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        return _bad_input(err)
     text = write_report(result, args.output)  # None on ranks other than 0
     if text is not None:
         print(text)
