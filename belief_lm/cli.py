@@ -261,14 +261,14 @@ def main(argv: list[str] | None = None) -> int:
             data_commands.prepare_source(cfg, args.output, args.workers, args.source)
         return exit_codes.DONE
     except (ConfigError, ValueError) as err:  # bad config, data or checkpoint: before work
-        return _bad_input(err)
+        return bad_input_exit(err)
 
 
 PACKAGES = ("belief_lm", "data_pipeline", "launcher")
 """The project's packages (installed side by side)."""
 
 
-def _bad_input(err: ValueError) -> int:
+def bad_input_exit(err: ValueError) -> int:
     """Exit code 2 with one line for a ValueError belief-lm raised itself: its checks of
     the command line, config, data and checkpoints, which come before any work. A
     ValueError raised inside torch, DeepSpeed or another library is a failure, not bad
@@ -351,7 +351,7 @@ def _from_checkpoint(args: argparse.Namespace) -> int:
             args.prompt, args.max_new_tokens, sampling, args.seed, use_cache=not args.no_cache
         )
     except ValueError as err:
-        return _bad_input(err)
+        return bad_input_exit(err)
     print(completion.text)
     logging.getLogger("belief_lm").info(
         "%d new tokens in %.2f s (%.1f tokens/s)%s", completion.new_tokens, completion.seconds,
@@ -412,7 +412,7 @@ def _report(args: argparse.Namespace) -> int:
     try:
         print(report.report(args.run_dirs, args.out))
     except ValueError as err:  # a missing run directory, no metrics, no matplotlib
-        return _bad_input(err)
+        return bad_input_exit(err)
     return exit_codes.DONE
 
 
@@ -424,7 +424,7 @@ def _verify_checkpoints(args: argparse.Namespace) -> int:
         try:
             print(seal_legacy(args.checkpoint))
         except ValueError as err:  # no such checkpoint, incomplete, or sealed already
-            return _bad_input(err)
+            return bad_input_exit(err)
         return exit_codes.DONE
     checksums = not args.sizes_only
     check = check_run(args.run_dir, checksums, args.workers)
@@ -443,7 +443,7 @@ def _evaluate(args: argparse.Namespace) -> int:
                 args.checkpoint, args.data, args.tensor, args.batches, args.micro_batch_size
             )
     except ValueError as err:  # a missing or unusable checkpoint or data source
-        return _bad_input(err)
+        return bad_input_exit(err)
     text = write_report(result, args.output)  # None on ranks other than 0
     if text is not None:
         print(text)
