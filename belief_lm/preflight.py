@@ -37,7 +37,7 @@ RUNTIME_ONLY = {
 
 
 @dataclass(frozen=True)
-class ResumePlan:
+class ResumeFrom:
     """The checkpoint a run continues from, and whether it needs the universal path."""
 
     path: Path
@@ -46,7 +46,7 @@ class ResumePlan:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Preflight:
     """What pre-flight worked out: the layout, the accumulation, the precision, the resume."""
 
     dims: ParallelDims
@@ -54,10 +54,10 @@ class Plan:
     """Micro-batches per optimizer step on each data-parallel rank."""
     bf16: bool | None
     """Whether the run computes in bf16 (None: the device is not known yet)."""
-    resume: ResumePlan | None
+    resume: ResumeFrom | None
 
 
-def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> Plan:
+def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> Preflight:
     """Check `cfg` for a job of `world_size` processes on `device_type` ('cuda', 'cpu', or
     None when not known yet, as at submission). Raises ValueError (CheckpointError for the
     checkpoint) naming the options to change."""
@@ -65,7 +65,7 @@ def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> P
     check_eval_tasks(cfg)
     check_wandb(cfg)
     bf16 = None if device_type is None else use_bf16(cfg.train.precision, device_type)
-    return Plan(dims, accumulation, bf16, plan_resume(cfg, dims))
+    return Preflight(dims, accumulation, bf16, resume_from(cfg, dims))
 
 
 def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, int]:
@@ -194,7 +194,7 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.run.output_dir).expanduser() / "checkpoints"
 
 
-def plan_resume(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) -> ResumePlan | None:
+def resume_from(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) -> ResumeFrom | None:
     """The checkpoint `checkpoint.resume` picks, checked against this run: intact (every
     file there with its size; the checksums are the trainer's, `verified_resume`), the same
     model and data, and a layout change its weights and optimizer state can make. None for
@@ -223,7 +223,7 @@ def plan_resume(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) ->
     info = read_info(path)
     check_same_run(cfg, path)
     if info.weights_only:  # weights alone (an import): any layout loads them, nothing else
-        return ResumePlan(path, info, other_layout=False)
+        return ResumeFrom(path, info, other_layout=False)
     zero = cfg.parallel.zero_stage
     moved = (info.tensor, info.pipeline, info.zero_stage) != (dims.tensor, dims.pipeline, zero)
     # ZeRO 1-3 partition the optimizer (and more) over the data-parallel ranks
@@ -235,7 +235,7 @@ def plan_resume(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) ->
             f"checkpoints, which need ZeRO stage 1 or 2 on both sides "
             f"(parallel.zero_stage={cfg.parallel.zero_stage})"
         )
-    return ResumePlan(path, info, other_layout)
+    return ResumeFrom(path, info, other_layout)
 
 
 def check_same_run(cfg: Config, path: Path) -> None:

@@ -96,7 +96,7 @@ def worker(model: str, out: Path, scratch: Path) -> None:
     layout = init_model_parallel(1, 1)
     vocab = padded_vocab_size(cfg.model.vocab_size, cfg.model, 1)
     trainee = bench_engine(cfg, layout, vocab, torch.device("cpu"))
-    engine = trainee.engine
+    engine = trainee.deepspeed
     gen = torch.Generator().manual_seed(0)
 
     def batches():

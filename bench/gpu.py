@@ -266,8 +266,8 @@ def engine(cfg: Config, layout, device):
 
 def release(trainee) -> None:
     """Drop an engine's hooks and return freed memory (callers drop their references)."""
-    if trainee is not None and hasattr(trainee.engine, "destroy"):
-        trainee.engine.destroy()
+    if trainee is not None and hasattr(trainee.deepspeed, "destroy"):
+        trainee.deepspeed.destroy()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

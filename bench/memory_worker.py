@@ -48,10 +48,10 @@ def micro_batches(cfg, vocab: int):
 
 
 def step(trainee, data, phases: bool) -> None:
-    """One optimizer step, as Trainee.train_step takes it, its phases marked for the
+    """One optimizer step, as TrainEngine.train_step takes it, its phases marked for the
     profiler (forward, backward, the optimizer step at the accumulation boundary). The
     pipeline engine's 1F1B schedule is one call, without phases."""
-    engine = trainee.engine
+    engine = trainee.deepspeed
     if trainee.pipelined:
         trainee.train_step(data)
         return

@@ -67,7 +67,7 @@ def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_
         trainee.train_step(iter([(rows[:, :-1], rows[:, 1:])] * 8))
     finally:
         compat.report_grad_norm = original
-        engine = trainee.engine
+        engine = trainee.deepspeed
     assert seen and engine.get_global_grad_norm() == pytest.approx(seen[-1]), (
         "DeepSpeed's engine no longer takes its grad norm from optimizer._global_grad_norm"
     )

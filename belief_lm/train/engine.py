@@ -45,10 +45,11 @@ def deepspeed_config(cfg: Config, accumulation: int, bf16: bool) -> dict:
 
 
 @dataclass
-class Trainee:
+class TrainEngine:
     """The model in its DeepSpeed engine, and the one optimizer step training repeats."""
 
-    engine: object
+    deepspeed: object
+    """DeepSpeed's engine (or pipeline engine) around the model."""
     guard: StepGuard
     """Our optimizer's (inside the engine): whether the last update was skipped, and the
     veto on the coming one."""
@@ -66,7 +67,7 @@ class Trainee:
         before the update, and returns whether to skip the update (the optimizer makes
         every rank skip if any says so). With a pipeline the engine updates inside
         train_batch, so `screen` sees the loss only afterwards and may not ask to skip."""
-        engine, guard = self.engine, self.guard
+        engine, guard = self.deepspeed, self.guard
         guard.skipped = guard.nonfinite = None
         if self.pipelined:  # 1F1B over all micro-batches, optimizer step included
             loss = engine.train_batch(data_iter=micro_batches)
@@ -118,9 +119,9 @@ def build_engine(
     accumulation: int,
     load_universal: bool = False,
     weights: dict[str, torch.Tensor] | None = None,
-) -> Trainee:
+) -> TrainEngine:
     """Build this rank's model (or pipeline stage) and wrap it in DeepSpeed's engine.
-    `bf16` and `accumulation` are pre-flight's (preflight.Plan); `load_universal`: the
+    `bf16` and `accumulation` are pre-flight's (preflight.Preflight); `load_universal`: the
     checkpoint to resume from is in DeepSpeed's universal format; `weights`: whole tensors
     (BeliefLM's names) to start from instead of the seeded init."""
     import deepspeed  # imported after select_device set the accelerator
@@ -164,7 +165,7 @@ def build_engine(
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu
     )
-    return Trainee(engine, guard, parameters, pipelined)
+    return TrainEngine(engine, guard, parameters, pipelined)
 
 
 def _clip_and_record_norm(max_norm: float, mpu):

@@ -4,7 +4,7 @@
 tokenizer, model in its DeepSpeed engine, data stream, resume); the loop then repeats
 `train_step` and, when due, `log`, `validate`, `diagnose` and `save`. The engine's step is
 `belief_lm.train.engine`, meters and sinks are `belief_lm.train.metrics`, checkpoints
-`belief_lm.train.checkpointing`; what a person watching sees is `progress`, loss spikes
+`belief_lm.train.trainer_state`; what a person watching sees is `progress`, loss spikes
 `spikes`, the per-rank compute times `ranks`, a profiled stretch of steps `profile`.
 """
 
@@ -29,11 +29,11 @@ from belief_lm.parallel import peers
 from belief_lm.parallel.collectives import on_rank_zero, rank_zero_first
 from belief_lm.parallel.dims import Layout
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
-from belief_lm.preflight import Plan, preflight
+from belief_lm.preflight import Preflight, preflight
 from belief_lm.runtime import select_device
-from belief_lm.train import checkpointing, downstream
+from belief_lm.train import downstream, trainer_state
 from belief_lm.train.diagnostics import belief_diagnostics
-from belief_lm.train.engine import Trainee, build_engine
+from belief_lm.train.engine import TrainEngine, build_engine
 from belief_lm.train.metrics import Meter, MetricsLogger, format_scalars
 from belief_lm.train.profile import StepProfiler
 from belief_lm.train.progress import Progress
@@ -99,7 +99,7 @@ def train(cfg: Config, stop: StopRequests | None = None) -> TrainResult:
                     raise DataStop(f"{fault}; stopped after step {trainer.step}") from None
                 step = trainer.step
                 peers.beat(step)
-                if trainer.trainee.update_skipped:
+                if trainer.engine.update_skipped:
                     skipped_in_a_row(result, step, cfg.train.max_nonfinite_steps, trainer)
                 if trainer.due(cfg.run.log_interval):
                     result.losses[step] = trainer.log(loss)
@@ -164,12 +164,12 @@ class Trainer:
     """A run between steps: its parts, and the steps a training loop takes with them."""
 
     cfg: Config
-    plan: Plan
+    plan: Preflight
     layout: Layout
     run_dir: Path
     tokenizer: Tokenizer
     vocab_size: int
-    trainee: Trainee
+    engine: TrainEngine
     data: TrainData
     """This rank's training steps (resumable at any layout)."""
     meter: Meter
@@ -215,7 +215,7 @@ class Trainer:
         peers.start(cfg.run.output_dir, cfg.parallel.timeout_s, cfg.parallel.rank_zero_wait_s)
         layout = init_model_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
         # the checkpoint's files read through once between the ranks, before any work
-        resume = checkpointing.verified_resume(plan.resume, cfg, plan.dims)
+        resume = trainer_state.verified_resume(plan.resume, cfg, plan.dims)
         plan = dataclasses.replace(plan, resume=resume)
         if cfg.train.eval_tasks:
             downstream.check_tasks(cfg.train.eval_tasks)  # lm-eval resolves them (rank 0)
@@ -232,8 +232,8 @@ class Trainer:
                 f"this run {vocab_size}"
             )
         other_layout = resume is not None and resume.other_layout
-        weights = checkpointing.weights_only(resume)  # an imported model: its weights alone
-        trainee = build_engine(
+        weights = trainer_state.weights_only(resume)  # an imported model: its weights alone
+        engine = build_engine(
             cfg, layout, vocab_size, device, bf16=plan.bf16, accumulation=plan.grad_accumulation,
             load_universal=other_layout, weights=weights,
         )  # fmt: skip
@@ -243,10 +243,10 @@ class Trainer:
             collective=data_collective(),
         )  # fmt: skip
         start = 0 if resume is None else resume.info.step
-        checkpoints = checkpointing.checkpointer(cfg, trainee.engine)  # before a load: it reads
+        checkpoints = trainer_state.checkpointer(cfg, engine.deepspeed)  # before a load: it reads
         if resume is not None and weights is None:
-            start = checkpointing.restore(resume, cfg, trainee.engine, layout)
-            data.load_state_dict(checkpointing.load_data_state(resume))
+            start = trainer_state.restore(resume, cfg, engine.deepspeed, layout)
+            data.load_state_dict(trainer_state.load_data_state(resume))
         validation = []
         if cfg.train.eval_interval:
             validation = validation_batches(
@@ -256,7 +256,7 @@ class Trainer:
         spikes = None
         if cfg.train.spike.threshold is not None:
             restored = resume is not None and weights is None  # (imported weights: no history)
-            saved = checkpointing.load_rank_state(resume, 0) if restored else None
+            saved = trainer_state.load_rank_state(resume, 0) if restored else None
             spikes = SpikeDetector(cfg.train.spike, (saved or {}).get("spikes"))
 
         def open_sinks() -> MetricsLogger:  # on rank 0; a W&B failure stops every rank
@@ -271,18 +271,18 @@ class Trainer:
             log.info(
                 "model %s (%s attention): %s parameters, vocab %d | layout TP%d x PP%d x DP%d | "
                 "%d tokens per step%s",
-                cfg.model.name, cfg.model.attention, f"{trainee.parameters:,}", vocab_size,
+                cfg.model.name, cfg.model.attention, f"{engine.parameters:,}", vocab_size,
                 layout.tensor, layout.pipeline, layout.data,
                 cfg.train.global_batch_size * cfg.model.seq_length,
                 f" | resuming after step {start}" if start else "",
             )  # fmt: skip
         return cls(
             cfg=cfg, plan=plan, layout=layout, run_dir=run_dir, tokenizer=tokenizer,
-            vocab_size=vocab_size, trainee=trainee, data=data,
+            vocab_size=vocab_size, engine=engine, data=data,
             meter=Meter(cfg, vocab_size, device, dist.get_world_size(), start), metrics=metrics,
             validation=validation, step=start, start=start,
             consumed_tokens=0 if resume is None else resume.info.consumed_tokens,
-            spikes=spikes, timer=ForwardTimer(trainee.engine.module, device),
+            spikes=spikes, timer=ForwardTimer(engine.deepspeed.module, device),
             profiler=StepProfiler(cfg.run.profile, run_dir, device, dist.get_rank()),
             checkpoints=checkpoints,
             progress=Progress(cfg.train.max_steps, start) if is_logger else None,
@@ -297,10 +297,10 @@ class Trainer:
             batches = self.data.next_step()  # the whole step, or a DataFault on every rank
             self.data_wait_s += time.perf_counter() - waited
             self.last_batch = batches[-1]
-            self.lr = self.trainee.engine.get_lr()[0]  # this step's rate (the schedule moves on)
+            self.lr = self.engine.deepspeed.get_lr()[0]  # this step's rate (the schedule moves on)
             screen = None if self.spikes is None else self.judge_loss
             with self.timer.measuring():
-                loss = self.trainee.train_step(iter(batches), screen)
+                loss = self.engine.train_step(iter(batches), screen)
         self.step += 1
         self.consumed_tokens += self.meter.tokens_per_step
         return loss
@@ -308,7 +308,7 @@ class Trainer:
     def judge_loss(self, loss: torch.Tensor) -> bool:
         """The step's loss against the running estimate, before its update (collective over
         data parallelism: every rank judges the same global mean); True: skip the update."""
-        self.step_loss = self.trainee.global_mean(loss)  # host-device sync, every step
+        self.step_loss = self.engine.global_mean(loss)  # host-device sync, every step
         self.spike = self.spikes.check(self.step + 1, self.step_loss)
         return self.spike is not None and self.cfg.train.spike.action == "skip"
 
@@ -316,7 +316,7 @@ class Trainer:
         """A metrics row (prefix `spike`) and a warning line for a loss spike."""
         if self.metrics is None:
             return
-        skipped = self.trainee.update_vetoed
+        skipped = self.engine.update_vetoed
         self.metrics.log(spike.step, spike.scalars(skipped), prefix="spike")
         log.warning(
             "step %d: loss spike %.4g, %.1f deviations above the median %.4g of the last %d "
@@ -338,8 +338,8 @@ class Trainer:
     def log(self, loss: torch.Tensor) -> float:
         """Log this step's scalars (collective: the loss is averaged over data parallelism)
         and return the loss."""
-        norm = self.trainee.engine.get_global_grad_norm()
-        mean = self.trainee.global_mean(loss) if self.step_loss is None else self.step_loss
+        norm = self.engine.deepspeed.get_global_grad_norm()
+        mean = self.engine.global_mean(loss) if self.step_loss is None else self.step_loss
         forward_s = self.timer.take() / (self.step - self.meter.last_step)  # per step
         scalars = self.meter.scalars(
             self.step, mean, self.lr, None if norm is None else float(norm), self.data_wait_s
@@ -354,8 +354,8 @@ class Trainer:
 
     def validate(self) -> float:
         """Log the held-out loss (collective) and return it."""
-        trainee = self.trainee
-        loss, tokens = validation_loss(trainee.engine, self.validation, trainee.pipelined)
+        engine = self.engine
+        loss, tokens = validation_loss(engine.deepspeed, self.validation, engine.pipelined)
         scalars = {"val_loss": loss, "val_perplexity": math.exp(loss), "val_tokens": tokens}
         if self.metrics is not None:
             self.metrics.log(self.step, scalars, prefix="val")
@@ -374,15 +374,15 @@ class Trainer:
     def diagnose(self) -> None:
         """Belief diagnostics on this step's last micro-batch (training is not perturbed)."""
         tokens, labels = self.last_batch
-        trainee = self.trainee
-        stats = belief_diagnostics(trainee.engine, tokens, labels, trainee.pipelined)
+        engine = self.engine
+        stats = belief_diagnostics(engine.deepspeed, tokens, labels, engine.pipelined)
         if self.metrics is not None:
             self.metrics.log(self.step, stats, prefix="belief", jsonl="diagnostics.jsonl")
 
     def state_dict(self) -> dict:
         """This rank's state beyond the engine's and the data's: its RNG states, and the
         loss history spikes are judged against."""
-        state = checkpointing.rank_state(self.layout)
+        state = trainer_state.rank_state(self.layout)
         if self.spikes is not None:
             state["spikes"] = self.spikes.state_dict()
         return state
@@ -391,10 +391,10 @@ class Trainer:
         """Checkpoint this step (collective), with the data position of every rank. `wait`:
         return once it is published (with checkpoint.async_save, else once it is in host
         memory: `checkpoints.poll` publishes it at a later step)."""
-        return checkpointing.save(
+        return trainer_state.save(
             self.cfg, self.checkpoints, self.state_dict(), self.layout, self.step,
             self.consumed_tokens, self.vocab_size, self.tokenizer.path,
-            checkpointing.data_state(self.data), wait,
+            trainer_state.data_state(self.data), wait,
         )  # fmt: skip
 
     def close(self) -> None:

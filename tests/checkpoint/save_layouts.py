@@ -33,7 +33,7 @@ import belief_lm.preflight  # noqa: E402
 from belief_lm.cli import main  # noqa: E402
 from belief_lm.model.pipeline import canonical_name  # noqa: E402
 from belief_lm.parallel.gather import gather_tensor_parallel  # noqa: E402
-from belief_lm.train import checkpointing  # noqa: E402
+from belief_lm.train import trainer_state  # noqa: E402
 from tests.jobs import MICRO  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def recording(save):
 def run(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     belief_lm.preflight.use_bf16 = bf16_anywhere
-    checkpointing.save = recording(checkpointing.save)
+    trainer_state.save = recording(trainer_state.save)
     for output_dir, overrides in spec["runs"].items():
         # no loader worker processes: a later run's workers, forked from this process,
         # would inherit (and try to stop) the earlier run's

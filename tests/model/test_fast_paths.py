@@ -72,7 +72,7 @@ def test_chunked_loss_under_zero3(single_process_group):
         cfg = load_config(ROOT / MICRO, [*overrides, f"train.loss_chunk_tokens={chunk}"])
         trainee = engine_for(cfg, single_process_group, VOCAB)
         losses[chunk] = [trainee.train_step(iter([batch])).item() for batch in batches]
-        trainee.engine.destroy()
+        trainee.deepspeed.destroy()
     assert losses[23] == pytest.approx(losses[0], rel=1e-5)
     assert losses[0][2] < losses[0][0]  # the steps did something
 

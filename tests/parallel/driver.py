@@ -32,9 +32,9 @@ from belief_lm.parallel.dims import ParallelDims  # noqa: E402
 from belief_lm.parallel.env import detect  # noqa: E402
 from belief_lm.parallel.gather import full_state_dict, gather_tensor_parallel  # noqa: E402
 from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
-from belief_lm.preflight import plan_resume  # noqa: E402
+from belief_lm.preflight import resume_from  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
-from belief_lm.train import checkpointing  # noqa: E402
+from belief_lm.train import trainer_state  # noqa: E402
 from tests.models import engine_for  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
@@ -98,14 +98,14 @@ def run(
     cfg.checkpoint.resume = resume or "never"
     layout = init_model_parallel(tp, pp)
     # the synthetic data below resumes at any data-parallel size: only the weights' checks
-    plan = plan_resume(cfg, ParallelDims(dist.get_world_size(), tp, pp))
+    plan = resume_from(cfg, ParallelDims(dist.get_world_size(), tp, pp))
     trainee = engine_for(cfg, layout, VOCAB, load_universal=plan is not None and plan.other_layout)
-    engine = trainee.engine
+    engine = trainee.deepspeed
     data = GlobalBatches(engine.gradient_accumulation_steps())
     first = 0
     if plan is not None:
-        first = checkpointing.restore(plan, cfg, engine, layout)
-        data.load_state_dict(checkpointing.load_data_state(plan))
+        first = trainer_state.restore(plan, cfg, engine, layout)
+        data.load_state_dict(trainer_state.load_data_state(plan))
     rename = (lambda n: canonical_name(n, cfg.model.num_layers)) if trainee.pipelined else None
 
     grads_per_step = []
@@ -129,9 +129,9 @@ def run(
     if save_at:
         tokenizer = Path(out_dir) / "tokenizer.model"  # the checkpoint copies it; any bytes do
         tokenizer.write_bytes(b"synthetic data: no tokenizer")
-        state = checkpointing.rank_state(layout)
-        checkpoints = checkpointing.checkpointer(cfg, engine)
-        checkpointing.save(
+        state = trainer_state.rank_state(layout)
+        checkpoints = trainer_state.checkpointer(cfg, engine)
+        trainer_state.save(
             cfg, checkpoints, state, layout, save_at, 0, VOCAB, tokenizer, data.state_dict()
         )
     params = full_state_dict(engine.module, rename)

@@ -1,13 +1,14 @@
-"""Checkpoints from the trainer's side: restoring a resume plan, saving a step.
+"""The trainer's state in a checkpoint: what a step's save holds, and restoring it.
 
-Everything a continuation needs is saved: DeepSpeed's engine (weights, optimizer, LR
-schedule), every rank's RNG states (`rank_state`), the data stream's position (every
-logical reader's, gathered from all data-parallel ranks into one data_state.pt, valid at
-any layout), the step and tokens consumed, the effective config and the tokenizer. On the
+(`belief_lm/checkpoint/` is how checkpoints are written, verified and converted; this is
+what the trainer puts in and takes out.) Everything a continuation needs is saved:
+DeepSpeed's engine (weights, optimizer, LR schedule), every rank's RNG states
+(`rank_state`), the data stream's position (the same on every rank: data_state.pt, valid
+at any layout), the step and tokens consumed, the effective config and the tokenizer. On the
 same layout the continuation is bit-exact. On another layout the checkpoint goes through
 DeepSpeed's universal format (belief_lm/checkpoint/universal.py); which checkpoint to
 resume from, and whether it can continue on this layout, is decided before any work by
-`belief_lm.preflight.plan_resume`. A weights-only checkpoint (an import) gives only the
+`belief_lm.preflight.resume_from`. A weights-only checkpoint (an import) gives only the
 model's weights: the run starts at its step with a fresh optimizer and data stream.
 
 A checkpoint is trusted only once verified against its manifest: pre-flight checks that
@@ -32,7 +33,7 @@ from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo, damaged,
 from belief_lm.checkpoint.universal import ensure_universal, universal_info
 from belief_lm.config import Config
 from belief_lm.parallel.dims import Layout, ParallelDims
-from belief_lm.preflight import ResumePlan, checkpoint_root, plan_resume
+from belief_lm.preflight import ResumeFrom, checkpoint_root, resume_from
 from belief_lm.runtime import derived_seed
 
 log = logging.getLogger("belief_lm.checkpoint")
@@ -55,11 +56,11 @@ def data_state(data) -> dict:
     return data.state_dict()
 
 
-def verified_resume(plan: ResumePlan | None, cfg: Config, dims: ParallelDims) -> ResumePlan | None:
+def verified_resume(plan: ResumeFrom | None, cfg: Config, dims: ParallelDims) -> ResumeFrom | None:
     """`plan` once its checkpoint's files are verified (collective: each rank checksums a
     share of them). A damaged checkpoint named by checkpoint.resume raises CheckpointError
     naming the file; with resume=auto the next intact one is planned instead, with a warning
-    (`plan_resume` refuses a run whose checkpoints are all damaged)."""
+    (`resume_from` refuses a run whose checkpoints are all damaged)."""
     while plan is not None:
         started = time.perf_counter()
         found = verify_together(plan.path)
@@ -72,7 +73,7 @@ def verified_resume(plan: ResumePlan | None, cfg: Config, dims: ParallelDims) ->
         log.warning("%s; skipping it for an older checkpoint", error)
         # this one and the newer ones (pre-flight found and reported those) are passed over
         newer = [path for step, path in step_dirs(plan.path.parent) if step >= plan.info.step]
-        plan = plan_resume(cfg, dims, skip=newer)
+        plan = resume_from(cfg, dims, skip=newer)
     return None
 
 
@@ -93,7 +94,7 @@ def verify_together(path: Path, workers: int = manifest.WORKERS) -> list[str]:
     return sorted(problem for found in every_rank for problem in found)
 
 
-def weights_only(plan: ResumePlan | None) -> dict[str, torch.Tensor] | None:
+def weights_only(plan: ResumeFrom | None) -> dict[str, torch.Tensor] | None:
     """The whole weights of a weights-only checkpoint to start from (loaded into the model
     before its engine is built, so any layout takes them), or None for any other plan."""
     if plan is None or not plan.info.weights_only:
@@ -104,7 +105,7 @@ def weights_only(plan: ResumePlan | None) -> dict[str, torch.Tensor] | None:
     return consolidate(plan.path, verify=False).state_dict  # verified_resume did
 
 
-def restore(plan: ResumePlan, cfg: Config, engine, layout: Layout) -> int:
+def restore(plan: ResumeFrom, cfg: Config, engine, layout: Layout) -> int:
     """Load `plan` into the engine and this rank's RNG states; returns the saved step.
     The data stream's position is `load_data_state`'s."""
     source = ensure_universal(plan.path, cfg.model) if plan.other_layout else plan.path
@@ -123,7 +124,7 @@ def restore(plan: ResumePlan, cfg: Config, engine, layout: Layout) -> int:
     return info.step
 
 
-def load_rank_state(plan: ResumePlan, rank: int) -> dict:
+def load_rank_state(plan: ResumeFrom, rank: int) -> dict:
     """The `rank_state` (and what the trainer added to it) that rank `rank` saved with
     `plan`'s checkpoint. Rank 0's suits any layout for what every rank holds alike (the
     loss history of spike detection)."""
@@ -133,7 +134,7 @@ def load_rank_state(plan: ResumePlan, rank: int) -> dict:
     return torch.load(path, weights_only=False)
 
 
-def load_data_state(plan: ResumePlan) -> dict:
+def load_data_state(plan: ResumeFrom) -> dict:
     """The data stream's position saved with `plan`'s checkpoint (any layout's)."""
     path = plan.path / DATA_STATE
     if not path.is_file():
