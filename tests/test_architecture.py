@@ -1,4 +1,4 @@
-"""The package structure the README's "How it fits together" describes, checked: imports
+"""The package structure docs/architecture.md describes, checked: imports
 run one way, and what must be torch-free (pre-flight, configs) is."""
 
 import ast
