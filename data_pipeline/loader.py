@@ -157,7 +157,7 @@ class Block:
     windows: dict[int, list]
     """Per reader of the worker, its slots' windows in order (None: padding)."""
     origins: dict[int, list]
-    """Per reader, each slot's (source, epoch, stream, offset in the stream's step)."""
+    """Per reader, each slot's (source, epoch, stream, step, offset in the stream's step)."""
     reports: list[dict[int, Position]]
     """Per source, the positions of the streams this worker reports."""
     counts: list[Counter]
@@ -376,13 +376,11 @@ class TrainData:
         self.totals = [Counter() for _ in sources]
         self.epoch_padding = [[0, 0] for _ in sources]  # label slots: [filled, all] this epoch
         self.first_bad: list[tuple[int, str] | None] = [None] * len(sources)
-        self.health: dict[str, float] = {}
         self._padding = [0, 0]  # label slots since stats(): [filled, all]
         self.origins: dict[int, list] = {}
         """Per reader of this rank, where each window of the last step came from:
         (source, epoch, stream, step, offset in the stream's step)."""
         self._loader, self._shutdown, self._inboxes = None, None, []
-        self._pending: list[Block] = []
 
     @property
     def step(self) -> int:
@@ -592,24 +590,22 @@ class TrainData:
         self.schedule.load_state_dict(state["schedule"])
         self.totals = [Counter(t) for t in state["totals"]]
         self.epoch_padding = [list(p) for p in state["epoch_padding"]]
-        self._record_health()
         self.close()  # the next step starts workers at these positions
 
     def stats(self) -> dict[str, float]:
         """Data health over all ranks as of the last step: per source rows, documents,
         skipped (by reason), tokens and epoch, as 'data/<source>/<count>'; and
         'data/padding', the share of label slots without a token since the last call."""
-        self._record_health()
-        stats = dict(self.health)
+        stats = self._health()
         if self._padding[1]:
             stats["data/padding"] = 1 - self._padding[0] / self._padding[1]
         self._padding = [0, 0]
         return stats
 
-    def _record_health(self) -> None:
-        self.health = {}
+    def _health(self) -> dict[str, float]:
+        health = {}
         for s, totals in enumerate(self.totals):
-            shown = {k: totals[k] for k in HEALTH if totals[k]}
-            self.health.update({f"data/{s}/{k}": float(v) for k, v in shown.items()})
-            self.health[f"data/{s}/epoch"] = float(self.schedule.deals[s].epoch)
-            self.health[f"data/{s}/skipped"] = float(sum(totals[k] for k in SKIPPED))
+            health.update({f"data/{s}/{k}": float(totals[k]) for k in HEALTH if totals[k]})
+            health[f"data/{s}/epoch"] = float(self.schedule.deals[s].epoch)
+            health[f"data/{s}/skipped"] = float(sum(totals[k] for k in SKIPPED))
+        return health
