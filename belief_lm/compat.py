@@ -17,12 +17,13 @@ torch.distributed:
 megatron-core: its linears' private GEMM call and dgrad all-reduce flag (RowLinear,
 ColumnLinear, for torch.compile), and the `_extra_state` entries of its state dicts.
 
-DeepSpeed: where its engine takes a step's gradient norm from, and which C++ ops it may
-build on a CPU.
+DeepSpeed: where its engine takes a step's gradient norm from, which C++ ops it may build
+on a CPU, and the names of its checkpoint files (which consolidate.py reads directly).
 """
 
 from __future__ import annotations
 
+import re
 import types
 from datetime import timedelta
 from pathlib import Path
@@ -136,3 +137,31 @@ def disable_shm_comm() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def model_states_name(tensor_rank: int) -> str:
+    """The module's file of one tensor-parallel rank (no pipeline) in a DeepSpeed
+    checkpoint directory."""
+    return f"mp_rank_{tensor_rank:02d}_model_states.pt"
+
+
+def layer_states_pattern(tensor_rank: int) -> str:
+    """A glob for a pipeline's layer files of one tensor-parallel rank (each holding one
+    layer of the PipelineModule: `layer_<index>-model_<rank>-model_states.pt`)."""
+    return f"layer_*-model_{tensor_rank:02d}-model_states.pt"
+
+
+def layer_index(name: str) -> int:
+    """The PipelineModule layer index of a layer file's name."""
+    return int(name.split("-")[0].removeprefix("layer_"))
+
+
+def optim_states_pattern(model_rank: int, kind: str = "optim") -> str:
+    """A glob for the ZeRO files of one model-parallel rank, one per data-parallel rank:
+    `*zero_pp_rank_<dp>_mp_rank_<mp>_<kind>_states.pt` (kind 'optim', 'model' or '*')."""
+    return f"*zero_pp_rank_*_mp_rank_{model_rank:02d}_{kind}_states.pt"
+
+
+def zero_rank(name: str) -> int:
+    """The data-parallel rank of a ZeRO file's name."""
+    return int(re.search(r"zero_pp_rank_(\d+)_", name)[1])

@@ -72,3 +72,18 @@ def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_
         "DeepSpeed's engine no longer takes its grad norm from optimizer._global_grad_norm"
     )
     engine.destroy()
+
+
+def test_deepspeed_names_its_checkpoint_files_as_consolidate_reads_them(
+    single_process_group, tmp_path
+):
+    cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=1"])
+    engine = engine_for(cfg, single_process_group, 256).deepspeed
+    engine.save_checkpoint(str(tmp_path), tag="step")
+    step = tmp_path / "step"
+    assert (step / compat.model_states_name(0)).is_file(), sorted(p.name for p in step.iterdir())
+    optim = list(step.glob(compat.optim_states_pattern(0)))
+    assert len(optim) == 1 and compat.zero_rank(optim[0].name) == 0, (
+        "DeepSpeed's ZeRO file names changed: consolidate.py reads them"
+    )
+    engine.destroy()

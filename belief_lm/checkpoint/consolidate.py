@@ -30,6 +30,7 @@ import torch
 import yaml
 from deepspeed.checkpoint import constants as ds
 
+from belief_lm import compat
 from belief_lm.checkpoint.files import (
     CheckpointError,
     CheckpointInfo,
@@ -134,16 +135,16 @@ def _module_slice(
     """Tensor-parallel slice `tp_rank` of the module's weights (every stage's): DeepSpeed's
     model-state file, or with a pipeline the layer files `layer_<index>-model_<tp rank>`."""
     if info.pipeline == 1:
-        file = path / f"mp_rank_{tp_rank:02d}_model_states.pt"
+        file = path / compat.model_states_name(tp_rank)
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} has no {file.name}")
         return _canonical(_load(file)["module"], info, model)
-    layers = sorted(path.glob(f"layer_*-model_{tp_rank:02d}-model_states.pt"))
+    layers = sorted(path.glob(compat.layer_states_pattern(tp_rank)))
     if not layers:
         raise CheckpointError(f"checkpoint {path} has no layer files of tensor rank {tp_rank}")
     state = {}
     for file in layers:
-        index = int(file.name.split("-")[0].removeprefix("layer_"))
+        index = compat.layer_index(file.name)
         state.update({f"{index}.{key}": value for key, value in _load(file).items()})
     return _canonical(state, info, model)
 
@@ -156,8 +157,9 @@ def _partitioned_masters(
     say and shaped like the module's weights. (DeepSpeed's zero_to_fp32 reads neither a
     pipeline's model-state files nor bf16-optimizer files without ZeRO; its universal
     converter reads the same mappings, but not the latter either.)"""
-    files = path.glob(f"*zero_pp_rank_*_mp_rank_{rank:02d}_optim_states.pt")
-    files = sorted(files, key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", f.name)[1]))
+    files = sorted(
+        path.glob(compat.optim_states_pattern(rank)), key=lambda f: compat.zero_rank(f.name)
+    )
     if len(files) != info.data:
         raise CheckpointError(
             f"checkpoint {path}: {len(files)} optimizer files of model-parallel rank {rank}, "
@@ -187,7 +189,7 @@ def _zero3_masters(path: Path, rank: int) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory(prefix="consolidate-") as tmp:
         view = Path(tmp) / path.name
         view.mkdir()
-        for file in path.glob(f"*zero_pp_rank_*_mp_rank_{rank:02d}_*_states.pt"):
+        for file in path.glob(compat.optim_states_pattern(rank, kind="*")):
             (view / file.name).symlink_to(file.resolve())
         # stdout belongs to the commands' output (generated text, JSON): its prints go aside
         with contextlib.redirect_stdout(sys.stderr):

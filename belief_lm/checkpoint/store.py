@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from belief_lm import compat
 from belief_lm.checkpoint.files import (
     LATEST,
     CheckpointError,
@@ -244,7 +245,7 @@ def save_weights(
     tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    name = "mp_rank_00_model_states.pt"
+    name = compat.model_states_name(0)
     with open(tmp / name, "wb") as file:
         out = ChecksummingFile(file)
         torch.save({"module": weights}, out)

@@ -218,7 +218,11 @@ def wait_for_rank_zero(work: dist.Work, what: str) -> None:
     poll = min(watch.heartbeat.interval, 1.0)
     while not work.is_completed():
         waited = time.monotonic() - started
-        silent = heartbeat.silent(heartbeat.read(watch.run_dir, [0]), watch.timeout_s)
+        beats = heartbeat.read(watch.run_dir, [0])
+        # no heartbeat yet: rank 0 may not have written its first (it starts beating as
+        # the others do, not before them); silent only once a timeout has passed
+        silent = [r for r in heartbeat.silent(beats, watch.timeout_s)
+                  if beats[r] is not None or waited > watch.timeout_s]  # fmt: skip
         if silent or waited > watch.rank_zero_wait_s:
             raise timed_out_in(what, None, waited) if silent else _too_long(what, waited, watch)
         time.sleep(poll)
