@@ -1,5 +1,5 @@
 """Heartbeats and the diagnosis of a collective's failure, in one process (the faults
-themselves, with real ranks: tests/launcher/test_faults.py)."""
+themselves, with real ranks: tests/launcher/test_rank_faults.py)."""
 
 import json
 import os
