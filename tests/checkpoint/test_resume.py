@@ -1,6 +1,7 @@
 """Resume through the real training loop, in this process and as a command."""
 
 import os
+import re
 import shutil
 import signal
 
@@ -80,7 +81,11 @@ def test_ctrl_c_to_the_process_group_saves_and_exits_75(tmp_path, cache_dir):
         job.kill()
     assert not processes_mentioning(str(tmp_path))  # the loader workers are gone too
     text = (tmp_path / "log").read_text()
-    assert "SIGINT: finishing the step" in text and text.count("saved checkpoint") == 1
+    # one stop, named after whichever signal Python handled first: sent back to back, the
+    # SIGTERM can be handled first (each signal's C handler runs in the thread the kernel
+    # picks, and a busy machine may run the SIGINT one later)
+    stops = re.findall(r"belief-lm: (SIG\w+): finishing the step", text)
+    assert stops in (["SIGINT"], ["SIGTERM"]) and text.count("saved checkpoint") == 1, text
     step = read_info(newest_checkpoint(tmp_path / "checkpoints")).step
     assert step == max(losses(tmp_path)) >= 2
     # the requeued job resumes there and finishes

@@ -207,17 +207,18 @@ def test_a_cancelled_job_is_not_requeued(slurm_cluster, tmp_path):
 
 
 def submit_training(
-    conf: Path, run_dir: Path, cache_dir: str, steps: int, **env: str
+    conf: Path, run_dir: Path, cache_dir: str, steps: int, *overrides: str, **env: str
 ) -> tuple[int, Path]:
     """The template by hand with the real trainer: 2 nodes, one data-parallel rank each
-    (`env`: more variables for the job, e.g. the template's FAILURE_RESTARTS)."""
+    (`overrides`: more config overrides; `env`: more variables for the job, e.g. the
+    template's FAILURE_RESTARTS)."""
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     out = run(
         [
             "sbatch", "--parsable", "--nodes=2", f"--output={run_dir}.log",
             str(ROOT / "slurm/pretrain.sbatch"), *TINY_RUN, f"train.max_steps={steps}",
             "run.log_interval=1", f"checkpoint.interval={CHECKPOINT_INTERVAL}",
-            f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}",
+            f"run.output_dir={run_dir}", f"run.cache_dir={cache_dir}", *overrides,
         ],
         timeout=60, cwd=ROOT, env=job_env(SLURM_CONF=str(conf), PATH=path, **env),
     ).stdout  # fmt: skip
@@ -341,8 +342,8 @@ def test_a_job_requeued_onto_fewer_nodes_continues_the_run(
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
 
 
-def kill_rank_one(run_dir: Path, log: Path, rows: int) -> None:
-    """SIGKILL task 1's trainer (on node2; the nodes share this machine's process ids)
+def kill_rank_one(run_dir: Path, log: Path, rows: int, sig: int = signal.SIGKILL) -> None:
+    """Send `sig` to task 1's trainer (on node2; the nodes share this machine's process ids)
     once `rows` steps are logged."""
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
     while not metrics.exists() or len(metrics.read_text().splitlines()) < rows:
@@ -354,7 +355,7 @@ def kill_rank_one(run_dir: Path, log: Path, rows: int) -> None:
         parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         environ = (proc / "environ").read_bytes().split(b"\0")
         if parent not in mine and b"SLURM_PROCID=1" in environ:  # the rank, not its workers
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
             return
     pytest.fail(f"no trainer of task 1 among {sorted(mine)}")
 
@@ -401,3 +402,23 @@ def test_a_dead_task_without_failure_restarts_ends_the_job_with_its_code(
     assert re.search(r"^srun: error: node2: task 1: Killed$", text, re.M), text[-4000:]
     assert "belief-lm: training step exited with 137\n" in text and "restarting" not in text
     assert "Traceback" not in text
+
+
+def test_a_silent_task_ends_the_job_as_a_lost_peer(slurm_cluster, tmp_path, cache_dir):
+    """`kill -STOP` on task 1's trainer: task 0's collective times out after
+    parallel.timeout_s and it exits 69 (peer lost); srun kills the silent task at the end
+    of --wait (30 s). The job fails with 69, not the 137 of the task srun killed, within
+    timeout_s + 30 s (+ a loaded machine's margin)."""
+    run_dir = tmp_path / "silent"
+    job_id, log = submit_training(
+        slurm_cluster, run_dir, cache_dir, STEPS * 100, "parallel.timeout_s=15"
+    )
+    kill_rank_one(run_dir, log, 2, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    state = wait_for_job(slurm_cluster, job_id, timeout=300)
+    took = time.monotonic() - stopped_at
+    text = log.read_text()
+    assert (state["JobState"], state["ExitCode"]) == ("FAILED", "69:0"), text[-4000:]
+    assert 15 + 30 - 1 < took < 15 + 30 + 60, took
+    assert re.search(r"^srun: error: node1: task 0: Exited with exit code 69$", text, re.M)
+    assert "belief-lm: training step exited with 69\n" in text and "Traceback" not in text
