@@ -204,27 +204,52 @@ def test_the_job_script_restarts_failed_steps_as_configured(capsys):
     assert "\nFAILURE_RESTARTS=3\n" in capsys.readouterr().out
 
 
+KILLED_BY_SRUN = "srun: First task exited 30s ago\n"  # what srun prints when --wait runs out
+
+
 @pytest.mark.parametrize(
-    ("status", "errors", "cause"),
+    ("srun_status", "errors", "status", "cause"),
     [
         (137, "srun: error: node2: task 1: Killed\nsrun: error: node1: task 0: Exited with "
-         "exit code 69\n", '"cause": "rank died", "rank": 1, "host": "node2", "signal": '
+         "exit code 69\n", 137, '"cause": "rank died", "rank": 1, "host": "node2", "signal": '
          '"SIGKILL"'),
-        (69, "srun: error: node1: task 0: Exited with exit code 69\n",
+        (137, "srun: error: node1: task 0: Exited with exit code 69\nsrun: error: node2: task "
+         "1: Killed\n", 137, '"cause": "rank died", "rank": 1, "host": "node2", "signal": '
+         '"SIGKILL"'),
+        (69, "srun: error: node1: task 0: Exited with exit code 69\n", 69,
          '"cause": "peer lost", "rank": 0, "host": "node1", "exit_code": 69'),
-        (1, "srun: error: node1: tasks 0-1: Exited with exit code 1\n",
+        (1, "srun: error: node1: tasks 0-1: Exited with exit code 1\n", 1,
          '"cause": "rank failed", "rank": 0, "host": "node1", "exit_code": 1'),
-        (143, "", '"cause": "rank died", "rank": null, "host": "", "signal": "SIGTERM"'),
-        (69, "srun: error: node1: task 0: Exited with exit code 69\nsrun: error: node2: task "
-         "1: Killed\n", '"cause": "peer lost", "rank": 1, "host": "node2", "signal": "SIGKILL"'),
+        (143, "", 143, '"cause": "rank died", "rank": null, "host": "", "signal": "SIGTERM"'),
+        (137, f"srun: error: node1: task 0: Exited with exit code 69\n{KILLED_BY_SRUN}srun: "
+         "error: node2: task 1: Killed\n", 69, '"cause": "peer lost", "rank": 1, "host": '
+         '"node2", "signal": "SIGKILL"'),
     ],
-    ids=["died", "peer-lost", "failed", "without-srun-lines", "silent-killed-by-srun"],
+    ids=["died", "died-after-its-peer", "peer-lost", "failed", "without-srun-lines",
+         "silent-killed-by-srun"],
 )  # fmt: skip
-def test_the_job_script_records_what_failed(tmp_path, status, errors, cause):
-    """The template's restart_cause: srun's lines about its tasks -> starts.jsonl's JSON."""
-    function = re.search(r"^restart_cause\(\) \{.*?^\}$", TEMPLATE.read_text(), re.M | re.S)[0]
+def test_the_job_script_records_what_failed(tmp_path, srun_status, errors, status, cause):
+    """The template's failed_task, failed_status and restart_cause: srun's lines about its
+    tasks and its status -> the step's exit code and starts.jsonl's JSON. A dead rank's code
+    and cause are its own even when its peer's 69 reached srun first; a silent rank's are
+    the 69 of the peer that found it, naming the task srun killed."""
+    template = TEMPLATE.read_text()
+    functions = "\n".join(
+        re.search(rf"^{name}\(\) \{{.*?^\}}$", template, re.M | re.S)[0]
+        for name in ("failed_task", "failed_status", "restart_cause")
+    )
     (tmp_path / "errors").write_text(errors)
-    script = f'set -euo pipefail\nFAILURE_RESTARTS=2\n{function}\nrestart_cause 1 {status} "$1"'
+    script = f"""set -euo pipefail
+FAILURE_RESTARTS=2
+{functions}
+failed=$(failed_task "$1")
+status={srun_status}
+[[ -z $failed ]] || status=$(failed_status "$failed" "$status")
+echo "$status"
+restart_cause 1 "$status" "$1"
+"""
     out = subprocess.run(["bash", "-c", script, "-", str(tmp_path / "errors")],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
-    assert json.loads(out) == json.loads(f'{{"restart": 1, "of": 2, {cause}}}')
+    code, recorded = out.split("\n", 1)
+    assert int(code) == status
+    assert json.loads(recorded) == json.loads(f'{{"restart": 1, "of": 2, {cause}}}')
