@@ -242,9 +242,7 @@ def test_the_job_script_records_what_failed(tmp_path, srun_status, errors, statu
     script = f"""set -euo pipefail
 FAILURE_RESTARTS=2
 {functions}
-failed=$(failed_task "$1")
-status={srun_status}
-[[ -z $failed ]] || status=$(failed_status "$failed" "$status")
+status=$(failed_status "$(failed_task "$1")" {srun_status})
 echo "$status"
 restart_cause 1 "$status" "$1"
 """
