@@ -9,6 +9,7 @@ import functools
 import itertools
 import json
 import logging
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,6 +174,7 @@ def build_train_data(
         "weights": [s.weight for s in data.sources],
         "data": [source.fingerprint() for source in sources],  # files added or changed
         "units": [len(u) for u in units],
+        "cuts": [_digest(u) for u in units],  # where the units begin and end
     }
     return TrainData(
         sources, units, [s.weight for s in data.sources], tokenizer, settings, slots,
@@ -247,6 +249,11 @@ def _units(source, pieces: int, split: str) -> list:
     if isinstance(source, PreparedSource):
         return source.units(pieces, split)
     return source.units(pieces)
+
+
+def _digest(units: list) -> int:
+    """A checksum of the units' bounds: positions are counted in units."""
+    return zlib.crc32(repr([(u.file, u.group, u.start, u.stop) for u in units]).encode())
 
 
 def _index_below(length: int, k: int) -> int | None:

@@ -581,7 +581,15 @@ class TrainData:
                 "shares of each epoch); its position cannot be continued by this version"
             )
         saved = state.get("layout", {})
+        if "cuts" not in saved and not self._lines_cut():  # saved before line files were
+            saved = {**saved, "cuts": self.layout["cuts"]}  # cut at line starts: the same cuts
         for key, value in self.layout.items():
+            if key == "cuts" and saved.get(key) != value:
+                raise ValueError(
+                    "data state was saved when the sources' files were cut into other units "
+                    "(by a belief-lm that cut line files at fixed bytes, not at line starts): "
+                    "the stream cannot continue exactly"
+                )
             if saved.get(key) != value:
                 raise ValueError(
                     f"data state was saved with {key}={saved.get(key)!r}, this run has "
@@ -591,6 +599,14 @@ class TrainData:
         self.totals = [Counter(t) for t in state["totals"]]
         self.epoch_padding = [list(p) for p in state["epoch_padding"]]
         self.close()  # the next step starts workers at these positions
+
+    def _lines_cut(self) -> bool:
+        """Whether a line file of this run's sources is read in several byte ranges."""
+        return any(
+            getattr(source, "file_format", None) in ("jsonl", "text") and u.start > 0
+            for source, units in zip(self.sources, self.units, strict=True)
+            for u in units
+        )
 
     def stats(self) -> dict[str, float]:
         """Data health over all ranks as of the last step: per source rows, documents,

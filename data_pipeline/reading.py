@@ -132,6 +132,22 @@ def lines_in_range(path: str, unit: Unit) -> Iterator[tuple[int, bytes]]:
         raise OSError(f"unreadable after byte {offset}: {err}") from err  # kind: the cause
 
 
+def line_starts(path: str, offsets: Sequence[int]) -> list[int]:
+    """For each offset (ascending), the first line start at or after it (the file's size if
+    none): where a byte range of the file begins to own lines (see `lines_in_range`)."""
+    starts: list[int] = []
+    with binary(path) as f:
+        for offset in offsets:
+            if starts and starts[-1] >= offset:  # a long line reaches past this offset
+                starts.append(starts[-1])
+                continue
+            if offset > 0:
+                f.seek(offset - 1)
+                offset += len(f.readline()) - 1
+            starts.append(offset)
+    return starts
+
+
 def paragraphs(path: str) -> Iterator[tuple[dict, str]]:
     lines, start = [], 0
     whole = itertools.chain(lines_in_range(path, Unit(0, 0, 0, None, 0)), [(0, b"")])

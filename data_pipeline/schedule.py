@@ -112,7 +112,9 @@ class SourceDeal:
 
     @property
     def ratio(self) -> float:
-        if self.finished_size:
+        """Tokens per size: measured once finished units held tokens (units without any,
+        wholly held out or unusable, finish first and would make every unit look empty)."""
+        if self.finished_tokens:
             return self.finished_tokens / self.finished_size
         return self.tokens_per_size
 

@@ -2,7 +2,8 @@
 
 A source is read as a list of *units* (`reading.Unit`), each a piece of it that can be
 read on its own from its start: a parquet row range inside one row group, a byte range of
-an uncompressed JSON lines / text file (lines are assigned to the range they start in), a
+an uncompressed JSON lines / text file (beginning where a line begins: a range owns the
+lines that start in it, and its size is theirs, however long one is), a
 whole compressed file, a range of the embedded corpus's documents. Units are what a run's
 schedule deals out per epoch (`data_pipeline/schedule.py`), so every row of an epoch is
 read exactly once whatever the layout; they carry their size (bytes or characters of
@@ -41,6 +42,7 @@ from data_pipeline.reading import (
     file_size,
     format_of,
     line_rows,
+    line_starts,
     parquet_file,
     parquet_rows,
 )
@@ -247,7 +249,27 @@ class Source:
         if self.file_format == "text" and self.cfg.text_unit != "line":
             # a document or a paragraph may span any byte: whole files only
             whole = [Unit(u.file, 0, 0, None, u.size) for u in whole]
-        return _cut(whole, pieces)
+        units = _cut(whole, pieces)
+        if self.file_format != "parquet":
+            units = self._at_line_starts(units)
+        return units
+
+    def _at_line_starts(self, units: list[Unit]) -> list[Unit]:
+        """Byte ranges of line files moved to start where a line starts, each sized by the
+        bytes of the lines it owns: a range inside one long line would own none, yet be
+        estimated as full (its stream would run dry), and the range where that line starts
+        would be estimated as far smaller than it is."""
+        out: list[Unit] = []
+        for file, parts in itertools.groupby(units, key=lambda u: u.file):
+            parts = list(parts)
+            if len(parts) == 1 or parts[0].stop is None:
+                out += parts
+                continue
+            path = self.files()[file]
+            starts = retry(lambda: line_starts(path, [u.start for u in parts]), path)  # noqa: B023
+            ends = [*starts[1:], parts[-1].stop]
+            out += [Unit(file, 0, a, b, b - a) for a, b in zip(starts, ends, strict=True) if b > a]
+        return out
 
     def fingerprint(self) -> list:
         """What a saved reading position is valid for: the files and their sizes."""

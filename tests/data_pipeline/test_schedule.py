@@ -103,3 +103,17 @@ def test_2048_readers_start_step_and_resume_in_one_process(embedded_tokenizer):
         for a, b in zip(*pair, strict=True)
     )  # fmt: skip
     assert time.perf_counter() - started < 120
+
+
+def test_units_finished_without_tokens_leave_the_estimate_as_it_was():
+    """Units that held no tokens (wholly held out or unusable) finish first; taken as a
+    measurement they would make every unit look empty, and the whole queue would be handed
+    out at once (a tail as long as the epoch)."""
+    sizes = np.full(200, 100)
+    schedule = Schedule([sizes], [0.1], [1.0], readers=8, per_reader=1, window=WINDOW, seed=0)
+    deal = schedule.deals[0]
+    handed = deal.handed
+    schedule.commit(report(schedule, lambda h, d: 1), [0])  # each stream passed its first unit
+    assert deal.ratio == 0.1 and deal.handed - handed <= 16  # kept supplied, not given all 200
+    schedule.commit(report(schedule, lambda h, d: 1), [800])  # now with tokens: measured
+    assert deal.ratio == 800 / (16 * 100)

@@ -1,6 +1,8 @@
 """Sources: the hub code path on local files, the local formats, filters, bad input."""
 
 import gzip
+import itertools
+import json
 import logging
 
 import datasets
@@ -202,3 +204,28 @@ def test_a_row_group_read_in_parts_is_decoded_once(tmp_path, monkeypatch):
     assert read == [row["id"] for row in rows] and len(decoded) == 1
     row, where = next(src.rows(parts[3], skip=2))
     assert row["id"] == rows[17]["id"] and where.endswith("row group 0 row 17")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt"])
+def test_line_files_are_cut_where_lines_start(tmp_path, fmt):
+    """A file cut into byte ranges for its readers: each range starts at a line and is
+    sized by the lines it owns, so a long line is one range of its true size rather than
+    one short range followed by ranges that own no line; every line is read once."""
+    lengths = [30, 20, 4000, 25, 40, 3000, 10, 15, 35]  # two lines each span many cuts
+    texts_ = ["".join(chr(97 + (i + k) % 26) for k in range(n)) for i, n in enumerate(lengths)]
+    path = tmp_path / f"a.{fmt}"
+    with open(path, "w", newline="\n") as f:
+        f.writelines((json.dumps({"text": t}) if fmt == "jsonl" else t) + "\n" for t in texts_)
+    src = source(str(path), text_unit="line")  # (a .txt's default: the whole file)
+    units = src.units(40)
+    assert all(u.size == u.stop - u.start > 0 for u in units)
+    assert units[0].start == 0 and units[-1].stop == path.stat().st_size
+    assert all(a.stop == b.start for a, b in itertools.pairwise(units))
+    raw = path.read_bytes()
+    assert all(u.start == 0 or raw[u.start - 1 : u.start] == b"\n" for u in units)
+    big = [u for u in units if u.size > 3000]
+    assert len(big) == 2 and len(units) < 40
+    read = [row["raw"] for u in units for row, _ in src.rows(u)]
+    assert [r.decode().rstrip("\n") for r in read] == (
+        [json.dumps({"text": t}) for t in texts_] if fmt == "jsonl" else texts_
+    )

@@ -342,6 +342,30 @@ def test_a_state_loads_only_into_the_same_data(fineweb, embedded_tokenizer):
         build_train_data(data, embedded_tokenizer, SEQ, 4, 2, 0, 1, CPU).load_state_dict(state)
 
 
+def test_a_state_from_before_line_starts_loads_where_the_cuts_are_the_same(
+    fineweb, tmp_path, embedded_tokenizer
+):
+    """States saved before line files were cut at line starts have no record of the cuts:
+    they load where no line file is read in parts (parquet: the same units), and are
+    refused, saying why, where one is."""
+    root, _ = fineweb
+    lines = tmp_path / "x.jsonl"
+    write_openwebtext_jsonl(lines, [json.dumps(r).encode() for r in fineweb_rows(40)])
+    for uri, loads in ((f"hf:{root}:sample-10BT", True), (str(lines), False)):
+        data = DataConfig(sources=[uri], num_workers=0)
+        saved = build_train_data(data, embedded_tokenizer, SEQ, 4, 2, 0, 1, CPU)
+        saved.next_step()
+        state = saved.state_dict()
+        del state["layout"]["cuts"]
+        resumed = build_train_data(data, embedded_tokenizer, SEQ, 4, 2, 0, 1, CPU)
+        if loads:
+            resumed.load_state_dict(state)
+            assert resumed.step == 1
+        else:
+            with pytest.raises(ValueError, match=r"cut into other units .* line starts"):
+                resumed.load_state_dict(state)
+
+
 def test_stats_count_rows_documents_skips_and_tokens(tmp_path, embedded_tokenizer):
     rows = [json.dumps(r).encode() for r in fineweb_rows(60, chars=300)]
     rows[5] = b"{broken"
