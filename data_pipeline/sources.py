@@ -168,6 +168,8 @@ class Source:
 
     def _check_parquet(self, path: str) -> bool:
         meta = self._meta(path)
+        if not meta.num_rows:  # nothing to read, whatever its columns (a writer given no rows)
+            return False
         schema = meta.schema.to_arrow_schema()
         self._require_columns(path, schema.names)
         kind = schema.field(self.cfg.text_column).type

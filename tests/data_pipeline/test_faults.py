@@ -342,10 +342,11 @@ def test_start_up_data_errors_are_one_clear_line(tmp_path, caplog, name, content
         assert "\n" not in str(err.value) and not caplog.records  # one line, nothing logged
 
 
-def test_a_file_without_rows_is_skipped_unless_it_is_the_only_one(tmp_path, caplog):
+@pytest.mark.parametrize("schema", [FINEWEB_SCHEMA, None])  # None: no columns at all
+def test_a_file_without_rows_is_skipped_unless_it_is_the_only_one(tmp_path, caplog, schema):
     from data_pipeline.build import check_data
 
-    pq.write_table(pa.Table.from_pylist([], schema=FINEWEB_SCHEMA), tmp_path / "0.parquet")
+    pq.write_table(pa.Table.from_pylist([], schema=schema), tmp_path / "0.parquet")
     alone = DataConfig(sources=[str(tmp_path / "0.parquet")])
     with pytest.raises(ValueError, match=r"^data\.sources\.0\.uri: \S+0\.parquet: no rows"):
         check_data(alone)
