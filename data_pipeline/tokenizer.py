@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -131,6 +132,14 @@ def train_tokenizer(
     except RuntimeError as err:
         if failures:
             raise failures[0] from None
+        most = re.search(
+            r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(err)
+        )
+        if most:
+            raise ValueError(
+                f"data.tokenizer.vocab_size: {vocab_size} pieces cannot be learned from this "
+                f"text (at most {most[1]}): set a smaller vocab_size, or train on more text"
+            ) from None
         raise ValueError(f"training the tokenizer failed: {err}") from None
     if failures:
         raise failures[0]

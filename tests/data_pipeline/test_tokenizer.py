@@ -1,4 +1,5 @@
 import pickle
+import re
 
 import pytest
 
@@ -51,3 +52,15 @@ def test_bad_model_file(tmp_path):
     bad.write_bytes(b"not a model")
     with pytest.raises(ValueError, match=r"cannot load sentencepiece model .*bad\.model"):
         tk.Tokenizer(bad)
+
+
+def test_a_vocabulary_larger_than_the_text_allows_names_the_key_and_the_limit(tmp_path):
+    texts = ["a small corpus of a few words, said twice.", "a few words said twice."]
+    with pytest.raises(ValueError) as err:
+        tk.train_tokenizer(texts, 4096, tmp_path / "t.model")
+    assert re.fullmatch(
+        r"data\.tokenizer\.vocab_size: 4096 pieces cannot be learned from this text "
+        r"\(at most \d+\): set a smaller vocab_size, or train on more text",
+        str(err.value),
+    )
+    assert not (tmp_path / "t.model").exists()
