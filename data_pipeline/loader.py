@@ -377,6 +377,7 @@ class TrainData:
         self.epoch_padding = [[0, 0] for _ in sources]  # label slots: [filled, all] this epoch
         self.first_bad: list[tuple[int, str] | None] = [None] * len(sources)
         self._padding = [0, 0]  # label slots since stats(): [filled, all]
+        self._padding_told: set[int] = set()  # sources whose padded epoch was reported
         self.origins: dict[int, list] = {}
         """Per reader of this rank, where each window of the last step came from:
         (source, epoch, stream, step, offset in the stream's step)."""
@@ -480,10 +481,14 @@ class TrainData:
             epoch[1] += possible
             if turned[s]:
                 share = 1 - epoch[0] / max(epoch[1], 1)
-                if share > PADDING_WARNING:
+                if share > PADDING_WARNING and s not in self._padding_told:
+                    self._padding_told.add(s)
                     log.warning(
-                        "%s: epoch %d was %.1f%% padding (label slots without a token)",
+                        "%s: epoch %d was %.1f%% padding (label slots without a token): an "
+                        "epoch's last step is padded, and this one held %d windows; later "
+                        "epochs are not reported (data/padding in the metrics has each log's)",
                         source.cfg.uri, self.schedule.deals[s].epoch - 1, 100 * share,
+                        epoch[1] // seq_len,
                     )  # fmt: skip
                 log.info("%s: epoch %d begins", source.cfg.uri, self.schedule.deals[s].epoch)
                 self.epoch_padding[s] = [0, 0]

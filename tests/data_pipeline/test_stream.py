@@ -393,7 +393,8 @@ def test_eos_constant_matches_the_tokenizer(embedded_tokenizer):
 
 def test_an_epoch_with_much_padding_is_reported(tmp_path, embedded_tokenizer, caplog):
     """30 short documents read by 8 readers: an epoch of a few steps, whose last step is
-    mostly padding: a warning names the source, the epoch and its share of padding."""
+    mostly padding: a warning names the source, the epoch, its share of padding and its
+    length, once (every epoch of such a corpus is alike)."""
     docs = [f"a short document number {i} " * 4 for i in range(30)]
     write_openwebtext_jsonl(
         tmp_path / "tiny.jsonl", [json.dumps({"text": t}).encode() for t in docs]
@@ -401,8 +402,9 @@ def test_an_epoch_with_much_padding_is_reported(tmp_path, embedded_tokenizer, ca
     data = DataConfig(sources=[str(tmp_path / "tiny.jsonl")], num_workers=0, readers=8)
     batches = build_train_data(data, embedded_tokenizer, SEQ, 8, 8, 0, 1, CPU)
     with caplog.at_level(logging.WARNING, logger="data_pipeline.loader"):
-        while batches.stats()["data/0/epoch"] == 0:
+        while batches.stats()["data/0/epoch"] < 3:
             take(batches, 1)
-    assert re.search(r"tiny\.jsonl: epoch 0 was \d+\.\d% padding", caplog.text)
+    assert re.search(r"tiny\.jsonl: epoch 0 was \d+\.\d% padding .* held \d+ windows", caplog.text)
+    assert caplog.text.count("% padding") == 1
     share = float(re.search(r"epoch 0 was (\d+\.\d)%", caplog.text).group(1))
     assert share > 2
