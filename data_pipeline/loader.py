@@ -230,15 +230,16 @@ class StepMaker:
                     if window is not None:
                         block.counts[s]["labels"] += max(len(window) - 1, 0)
                 offset += 1
+        position = stream.position()
+        finished = stream.finished_units(position.unit)  # forgotten where not reported
         if int(members[0]) in block.windows:  # this worker reports the stream
-            position = stream.position()
             per_step = self.slots.per_reader * self.settings.window
             if tokens := deal.look_ahead(per_step, len(members)):
                 position = position._replace(ahead=stream.look_ahead(tokens))
             block.reports[s][h] = position
             counts = stream.counts()
             counts.subtract(counts_before)
-            counts.update(stream.finished_units(position.unit))
+            counts.update(finished)
             block.counts[s].update(counts)
         if stream.first_bad and not self.first_bad[s]:
             self.first_bad[s] = block.first_bad[s] = stream.first_bad

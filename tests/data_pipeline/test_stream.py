@@ -134,6 +134,27 @@ def test_heavy_tailed_documents_take_one_epoch_with_padding_only_at_its_end(
         d.close()
 
 
+@pytest.mark.parametrize(("readers", "ranks"), [(64, 2), (512, 8), (1024, 8)])
+def test_each_unit_is_tallied_once_though_the_process_reporting_its_stream_changes(
+    heavy_tailed, embedded_tokenizer, readers, ranks
+):
+    """In an epoch's tail readers join streams, so the process that reports a stream (the
+    one holding its first reader) changes; the units it finished are reported once (their
+    tallies feed the skip check's statistics), whoever reads the stream."""
+    data, _ = heavy_tailed
+    data = data.model_copy(update={"readers": readers, "num_workers": 0})
+    group = Ranks(ranks)
+    datas = group.build(data, embedded_tokenizer, 32, readers, readers)
+    while datas[0].stats()["data/0/epoch"] == 0:
+        group.steps(datas, 1)
+    totals, units = datas[0].totals[0], len(datas[0].schedule.deals[0].sizes)
+    assert (totals["units"], totals["unit_rows"], totals["unit_tokens"]) == (
+        units,
+        totals["rows"],
+        totals["tokens"],
+    )
+
+
 def test_a_small_source_turns_many_epochs_inside_a_large_ones(
     tmp_path, heavy_tailed, embedded_tokenizer
 ):
