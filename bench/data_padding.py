@@ -6,7 +6,10 @@ One epoch of each case, on 8 data-parallel ranks (4 at 4 readers) without loader
   heavy-tailed  FineWeb-Edu-schema parquet of real prose with lognormal lengths (median 600
                 characters, sigma 1) and 3 documents of 40,000 characters (each longer than
                 one reader's share at 64 readers and more), 4, 16, 64 and 256 readers;
-  embedded      README command 1's data: the embedded corpus, 16 readers of 128 tokens.
+  embedded      README command 1's data: the embedded corpus, 16 readers of 128 tokens;
+  source files  600 of Python's own standard-library modules as JSON lines (3 files): real
+                lengths with a long tail (median 7 KB, the longest 229 KB, several times a
+                unit's bytes at 64 readers), 64 readers of 32 tokens.
 For each: the epoch's steps, its padding (label slots without a token), the slots
 without any token, the steps after the queue of units emptied (the tail, where readers
 share streams), and the tokens sentencepiece encoded per token delivered in a window
@@ -16,7 +19,11 @@ share streams), and the tokens sentencepiece encoded per token delivered in a wi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import random
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -79,6 +86,22 @@ def one_epoch(data, tokenizer, readers: int, seq_len: int) -> dict:
     }
 
 
+def write_source_files(root: Path, count: int) -> None:
+    """`count` modules of this Python's standard library (a seeded choice), as JSON lines in
+    3 files."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    texts = []
+    for path in paths:
+        with contextlib.suppress(UnicodeDecodeError, OSError):
+            if text := path.read_text(encoding="utf-8").strip():
+                texts.append(text)
+    random.Random(1).shuffle(texts)
+    for f in range(3):
+        with open(root / f"{f}.jsonl", "w") as out:
+            out.writelines(json.dumps({"text": t}) + "\n" for t in texts[f:count:3])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench/results/data_padding_cpu.json")
@@ -105,6 +128,14 @@ def main() -> None:
             print(cases[-1], flush=True)
     cases.append({"corpus": "embedded", **one_epoch(DataConfig(num_workers=0), tokenizer, 16, 128)})
     print(cases[-1], flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_source_files(Path(tmp), 600)
+        data = DataConfig(
+            sources=[f"{tmp}/*.jsonl"], readers=64, num_workers=0, validation_fraction=0.05,
+            seed=11,
+        )  # fmt: skip
+        cases.append({"corpus": "source files", **one_epoch(data, tokenizer, 64, 32)})
+        print(cases[-1], flush=True)
     result = {"documents": args.documents, "cases": cases}
     print(write_result(args.out, result, torch.device("cpu")))
 

@@ -49,6 +49,8 @@ that where one ends is known, not estimated, when readers choose a stream to joi
 TARGET_STEPS = 4
 """Steps of estimated work a stream is kept supplied with (beyond what it reads in the
 steps a loader worker runs ahead)."""
+PRIOR_SHARE = 1 / 8
+"""The first guess of tokens per size weighs as much as this share of a source, measured."""
 JOIN_DELAY = 2
 """Steps after the queue emptied before readers join other streams: a loader worker may
 then produce the next step before it has the last step's reports (see `view_needed`)."""
@@ -84,6 +86,7 @@ class SourceDeal:
     """Sizes and tokens of the units finished so far (every epoch): the measured ratio."""
 
     def __post_init__(self) -> None:
+        self.total = int(self.sizes.sum())
         self.order = np.zeros(0, np.int64)
         # per stream (kept with lists and positions): units handed, their total size, the
         # size of those before the position, and that of the unit at it (0: exhausted)
@@ -112,11 +115,13 @@ class SourceDeal:
 
     @property
     def ratio(self) -> float:
-        """Tokens per size: measured once finished units held tokens (units without any,
-        wholly held out or unusable, finish first and would make every unit look empty)."""
-        if self.finished_tokens:
-            return self.finished_tokens / self.finished_size
-        return self.tokens_per_size
+        """Tokens per size: measured on the finished units, with the first guess counted as
+        if PRIOR_SHARE of the source had been read at it. The units that finish first are
+        no fair sample (those with a held-out giant or an unusable row, the short ones), and
+        on their own they made every unit look nearly empty: the whole queue was handed out
+        in the first steps, and the epoch was one long tail."""
+        prior = PRIOR_SHARE * self.total
+        return (self.finished_tokens + self.tokens_per_size * prior) / (self.finished_size + prior)
 
     def exhausted(self) -> np.ndarray:
         """Per stream: read all it was handed."""
