@@ -5,15 +5,17 @@
 One epoch of each case, on 8 data-parallel ranks (4 at 4 readers) without loader workers:
   heavy-tailed  FineWeb-Edu-schema parquet of real prose with lognormal lengths (median 600
                 characters, sigma 1) and 3 documents of 40,000 characters (each longer than
-                one reader's share at 64 readers and more), 4, 16, 64 and 256 readers;
+                one reader's share at 64 readers and more): 6,000 documents at 4, 16, 64
+                and 256 readers, and 1,500 at 128 (units of one or two documents);
   embedded      README command 1's data: the embedded corpus, 16 readers of 128 tokens;
   source files  600 of Python's own standard-library modules as JSON lines (3 files): real
                 lengths with a long tail (median 7 KB, the longest 229 KB, several times a
                 unit's bytes at 64 readers), 64 readers of 32 tokens.
-For each: the epoch's steps, its padding (label slots without a token), the slots
-without any token, the steps after the queue of units emptied (the tail, where readers
-share streams), and the tokens sentencepiece encoded per token delivered in a window
-(readers that join a stream read its step whole, to find their windows in it).
+For each: the epoch's steps, its padding (label slots without a token; also over the
+steps before the tail), the slots without any token, the steps after the queue of units
+emptied (the tail, where readers share streams), and the tokens sentencepiece encoded per
+token delivered in a window (readers that join a stream read its step whole, to find their
+windows in it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ RANKS = 8
 """Data-parallel ranks: readers that share a stream read it once per rank."""
 HEAVY = [(4, 128), (16, 64), (64, 32), (256, 32)]
 """(readers, seq_len) of the heavy-tailed cases: one window per reader a step."""
+FEW_PER_READER = (1500, 128, 32)
+"""(documents, readers, seq_len): the heavy-tailed corpus with about 12 documents per
+reader, so that most units hold one or two documents."""
 
 
 class CountingTokenizer(TimedTokenizer):
@@ -64,6 +69,7 @@ def one_epoch(data, tokenizer, readers: int, seq_len: int) -> dict:
     ranks = Ranks(min(RANKS, readers))
     trains = ranks.build(data, counting, seq_len, readers, readers)
     steps, labels, empty, tail, started = 0, 0, 0, None, time.perf_counter()
+    labels_before_tail = 0
     while not steps or trains[0].stats()["data/0/epoch"] == 0:
         for window in ranks.steps(trains, 1)[0]:
             labels += max(len(window) - 1, 0)
@@ -71,13 +77,16 @@ def one_epoch(data, tokenizer, readers: int, seq_len: int) -> dict:
         steps += 1
         deal = trains[0].schedule.deals[0]
         if tail is None and (deal.epoch > 0 or deal.handed == len(deal.order)):
-            tail = steps
+            tail, labels_before_tail = steps, labels  # (the step that emptied the queue: before)
     slots = steps * readers
     return {
         "readers": readers,
         "seq_len": seq_len,
         "steps": steps,
         "padding_pct": round(100 * (1 - labels / (slots * seq_len)), 3),
+        "padding_before_tail_pct": round(
+            100 * (1 - labels_before_tail / (tail * readers * seq_len)), 3
+        ),
         "empty_slots_pct": round(100 * empty / slots, 3),
         "tail_steps": steps - tail,
         # a window of n tokens trains n - 1 labels
@@ -114,17 +123,19 @@ def main() -> None:
 
     tokenizer = build_tokenizer(DataConfig(), "~/.cache/belief-lm")
     cases = []
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = heavy_tailed_rows(args.documents, 600, 3, 40_000)
-        for f in range(4):
-            part = rows[f * len(rows) // 4 : (f + 1) * len(rows) // 4]
-            write_parquet(Path(tmp) / f"{f:03d}.parquet", part, 100)
-        for readers, seq_len in HEAVY:
+    heavy = [(args.documents, readers, seq_len) for readers, seq_len in HEAVY]
+    for documents, readers, seq_len in [*heavy, FEW_PER_READER]:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = heavy_tailed_rows(documents, 600, 3, 40_000)
+            for f in range(4):
+                part = rows[f * len(rows) // 4 : (f + 1) * len(rows) // 4]
+                write_parquet(Path(tmp) / f"{f:03d}.parquet", part, 100)
             data = DataConfig(
                 sources=[{"uri": f"{tmp}/*.parquet", "id_column": "id"}], readers=readers,
                 num_workers=0, validation_fraction=0.05, seed=11,
             )  # fmt: skip
-            cases.append({"corpus": "heavy-tailed", **one_epoch(data, tokenizer, readers, seq_len)})
+            case = one_epoch(data, tokenizer, readers, seq_len)
+            cases.append({"corpus": "heavy-tailed", "documents": documents, **case})
             print(cases[-1], flush=True)
     cases.append({"corpus": "embedded", **one_epoch(DataConfig(num_workers=0), tokenizer, 16, 128)})
     print(cases[-1], flush=True)
