@@ -164,6 +164,10 @@ def file_size(path: str) -> int:
     return int(retry(lambda: fsspec.core.url_to_fs(path)[0].size(path), path))
 
 
+def is_local(path: str) -> bool:
+    return "file" in fsspec.core.url_to_fs(path)[0].protocol
+
+
 def format_of(path: str) -> str | None:
     stem = str(path)
     for ext in COMPRESSIONS:

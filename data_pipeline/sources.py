@@ -41,6 +41,7 @@ from data_pipeline.reading import (
     binary,
     file_size,
     format_of,
+    is_local,
     line_rows,
     line_starts,
     parquet_file,
@@ -262,12 +263,11 @@ class Source:
         estimated as full (its stream would run dry), and the range where that line starts
         would be estimated as far smaller than it is."""
         out: list[Unit] = []
-        for file, parts in itertools.groupby(units, key=lambda u: u.file):
-            parts = list(parts)
-            if len(parts) == 1 or parts[0].stop is None:
-                out += parts
+        for file, group in itertools.groupby(units, key=lambda u: u.file):
+            parts, path = list(group), self.files()[file]
+            if len(parts) == 1 or parts[0].stop is None or not is_local(path):
+                out += parts  # (remote: a seek would fetch a block, per range and process)
                 continue
-            path = self.files()[file]
             starts = retry(lambda: line_starts(path, [u.start for u in parts]), path)  # noqa: B023
             ends = [*starts[1:], parts[-1].stop]
             out += [Unit(file, 0, a, b, b - a) for a, b in zip(starts, ends, strict=True) if b > a]

@@ -229,3 +229,18 @@ def test_line_files_are_cut_where_lines_start(tmp_path, fmt):
     assert [r.decode().rstrip("\n") for r in read] == (
         [json.dumps({"text": t}) for t in texts_] if fmt == "jsonl" else texts_
     )
+
+
+def test_remote_line_files_keep_byte_cuts(tmp_path, monkeypatch):
+    """Finding line starts in a remote file would fetch a block per range, in every
+    process: remote files keep ranges of equal bytes (lines still read once each)."""
+    import data_pipeline.sources
+
+    path = tmp_path / "a.jsonl"
+    write_openwebtext_jsonl(path, jsonl_lines([f"document {i} " * (1 + i % 50) for i in range(60)]))
+    monkeypatch.setattr(data_pipeline.sources, "is_local", lambda path: False)
+    src = source(str(path))
+    units = src.units(16)
+    sizes = {u.size for u in units}
+    assert len(units) == 16 and max(sizes) - min(sizes) <= 1
+    assert len([row for u in units for row, _ in src.rows(u)]) == 60
