@@ -192,8 +192,9 @@ def _generate_arguments(commands) -> None:
 
 def _checkpoint_argument(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
-        "--checkpoint", required=True, metavar="STEP_DIR",
-        help="a checkpoint step directory, e.g. runs/tiny/checkpoints/step_000300",
+        "--checkpoint", required=True, metavar="DIR",
+        help="a checkpoint step directory, e.g. runs/tiny/checkpoints/step_000300, or a run "
+        "directory (runs/tiny): its newest intact checkpoint",
     )  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from belief_lm.checkpoint.files import (
     CheckpointError,
     CheckpointInfo,
     damaged,
+    named_checkpoint,
     problems,
     read_info,
 )
@@ -89,12 +90,13 @@ def load_full_state(
 
 
 def consolidate(path: str | Path, verify: bool = True) -> Consolidated:
-    """Read checkpoint `path` (a step directory) as a Consolidated model. `verify`: first
+    """Read checkpoint `path` (a step directory; a run directory: its newest intact
+    checkpoint) as a Consolidated model. `verify`: first
     check every file against the manifest (read through once; CheckpointError naming the
     file if one differs); off only where the caller verified it."""
-    path = Path(path).expanduser()
+    path, judged = named_checkpoint(Path(path).expanduser(), checksums=verify)
     info = read_info(path)
-    if verify:
+    if verify and not judged:
         found = problems(path, checksums=True)
         if found:
             raise damaged(path, found)

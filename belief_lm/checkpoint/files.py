@@ -156,6 +156,29 @@ class Choice:
     """Why `latest` could not be followed, if it was unreadable."""
 
 
+def checkpoints_dir(run_dir: Path) -> Path:
+    """RUN_DIR/checkpoints, or RUN_DIR itself if it holds step directories."""
+    nested = run_dir / "checkpoints"
+    return nested if nested.is_dir() or not step_dirs(run_dir) else run_dir
+
+
+def named_checkpoint(given: Path, checksums: bool = True) -> tuple[Path, bool]:
+    """The checkpoint a command was given: a step directory as it is, or for a run
+    directory (or its checkpoints directory) the one a resume would take, logged; and
+    whether that one was judged intact on the way (by checksums if `checksums`).
+    CheckpointError if a run has no intact checkpoint."""
+    root = checkpoints_dir(given)
+    if (given / "run.json").exists() or not step_dirs(root):
+        return given, False
+    chosen = newest_checkpoint(root, checksums)
+    if chosen is None:
+        raise CheckpointError(
+            f"{given}: no intact checkpoint (`belief-lm checkpoint verify {given}` lists why)"
+        )
+    log.info("%s: its newest intact checkpoint is %s", given, chosen.name)
+    return chosen, True
+
+
 def choose_checkpoint(root: Path, judge: Callable[[Path], list[str]]) -> Choice:
     """The checkpoint under `root` to resume from: the one `latest` names if it is intact;
     if that one is damaged, the newest intact one before it; if `latest` is missing or

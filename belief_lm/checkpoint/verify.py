@@ -16,6 +16,7 @@ from belief_lm.checkpoint import manifest
 from belief_lm.checkpoint.files import (
     CheckpointError,
     Choice,
+    checkpoints_dir,
     choose_checkpoint,
     problems,
     read_info,
@@ -47,12 +48,6 @@ class RunCheck:
     @property
     def newest_intact(self) -> bool:
         return bool(self.verdicts) and not self.verdicts[0].problems
-
-
-def checkpoints_dir(run_dir: Path) -> Path:
-    """RUN_DIR/checkpoints, or RUN_DIR itself if it holds step directories."""
-    nested = run_dir / "checkpoints"
-    return nested if nested.is_dir() or not step_dirs(run_dir) else run_dir
 
 
 def check_run(

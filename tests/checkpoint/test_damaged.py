@@ -189,3 +189,25 @@ def test_seal_gives_an_earlier_checkpoint_its_manifest(trained, tmp_path):
     assert again.returncode == 2 and "has a manifest already" in again.stderr
     missing = run_cli("checkpoint", "seal", str(tmp_path / "step_000009"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_a_run_directory_names_its_newest_intact_checkpoint(trained, tmp_path, caplog):
+    """Commands that read one checkpoint (evaluate, generate, export) take a run directory
+    or its checkpoints directory as the checkpoint a resume would take: damaged ones passed
+    over with a warning, the one taken logged; none intact is an error saying so."""
+    from belief_lm.checkpoint.consolidate import consolidate
+
+    _, run_dir, _ = trained
+    run = copy_run(run_dir, tmp_path / "run")
+    DAMAGES["byte-flipped"](run / "checkpoints" / "step_000010")
+    caplog.set_level(logging.INFO, logger="belief_lm.checkpoint")
+    for given in (run, run / "checkpoints"):
+        caplog.clear()
+        taken = consolidate(given)
+        assert taken.info.step == 8
+        said = caplog.text
+        assert "step_000010 is damaged" in said and f"{given}: its newest intact" in said
+    for step in (2, 4, 6, 8):
+        shutil.rmtree(run / "checkpoints" / f"step_{step:06d}")
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint .*checkpoint verify"):
+        consolidate(run)
