@@ -41,6 +41,7 @@ import torch
 
 from data_pipeline.failures import DataFault
 from data_pipeline.schedule import FIELDS, Schedule
+from data_pipeline.sources import Source
 from data_pipeline.stream import (
     SKIPPED,
     UNIT_TALLIES,
@@ -587,8 +588,12 @@ class TrainData:
                 "shares of each epoch); its position cannot be continued by this version"
             )
         saved = state.get("layout", {})
-        if "cuts" not in saved and not self._lines_cut():  # saved before line files were
-            saved = {**saved, "cuts": self.layout["cuts"]}  # cut at line starts: the same cuts
+        lines_cut = any(
+            isinstance(source, Source) and source.cut_at_line_starts(units)
+            for source, units in zip(self.sources, self.units, strict=True)
+        )
+        if "cuts" not in saved and not lines_cut:  # saved before line files were cut at
+            saved = {**saved, "cuts": self.layout["cuts"]}  # line starts: the same cuts
         for key, value in self.layout.items():
             if key == "cuts" and saved.get(key) != value:
                 raise ValueError(
@@ -605,14 +610,6 @@ class TrainData:
         self.totals = [Counter(t) for t in state["totals"]]
         self.epoch_padding = [list(p) for p in state["epoch_padding"]]
         self.close()  # the next step starts workers at these positions
-
-    def _lines_cut(self) -> bool:
-        """Whether a line file of this run's sources is read in several byte ranges."""
-        return any(
-            getattr(source, "file_format", None) in ("jsonl", "text") and u.start > 0
-            for source, units in zip(self.sources, self.units, strict=True)
-            for u in units
-        )
 
     def stats(self) -> dict[str, float]:
         """Data health over all ranks as of the last step: per source rows, documents,

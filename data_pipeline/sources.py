@@ -265,13 +265,30 @@ class Source:
         out: list[Unit] = []
         for file, group in itertools.groupby(units, key=lambda u: u.file):
             parts, path = list(group), self.files()[file]
-            if len(parts) == 1 or parts[0].stop is None or not is_local(path):
-                out += parts  # (remote: a seek would fetch a block, per range and process)
+            if not self._cut_at_lines(parts):
+                out += parts
                 continue
             starts = retry(lambda: line_starts(path, [u.start for u in parts]), path)  # noqa: B023
             ends = [*starts[1:], parts[-1].stop]
             out += [Unit(file, 0, a, b, b - a) for a, b in zip(starts, ends, strict=True) if b > a]
         return out
+
+    def cut_at_line_starts(self, units: Sequence[Unit]) -> bool:
+        """Whether some of `units` are byte ranges moved to line starts (a state saved
+        before that knew other units)."""
+        by_file = itertools.groupby(units, key=lambda u: u.file)
+        return self.kind != "embedded" and any(self._cut_at_lines(list(g)) for _, g in by_file)
+
+    def _cut_at_lines(self, parts: list[Unit]) -> bool:
+        """Whether one file's units are byte ranges that begin at line starts: several of
+        a local, uncompressed line file (remote: a seek would fetch a block, per range and
+        process)."""
+        return (
+            self.file_format != "parquet"
+            and len(parts) > 1
+            and parts[0].stop is not None
+            and is_local(self.files()[parts[0].file])
+        )
 
     def fingerprint(self) -> list:
         """What a saved reading position is valid for: the files and their sizes."""

@@ -364,15 +364,19 @@ def test_a_state_loads_only_into_the_same_data(fineweb, embedded_tokenizer):
 
 
 def test_a_state_from_before_line_starts_loads_where_the_cuts_are_the_same(
-    fineweb, tmp_path, embedded_tokenizer
+    fineweb, tmp_path, embedded_tokenizer, monkeypatch
 ):
     """States saved before line files were cut at line starts have no record of the cuts:
-    they load where no line file is read in parts (parquet: the same units), and are
-    refused, saying why, where one is."""
+    they load where no line file is read in parts at line starts (parquet, a remote line
+    file: the same units), and are refused, saying why, where one is."""
+    import data_pipeline.sources
+
     root, _ = fineweb
     lines = tmp_path / "x.jsonl"
     write_openwebtext_jsonl(lines, [json.dumps(r).encode() for r in fineweb_rows(40)])
-    for uri, loads in ((f"hf:{root}:sample-10BT", True), (str(lines), False)):
+    cases = [(f"hf:{root}:sample-10BT", True, True), (str(lines), True, False)]
+    for uri, local, loads in [*cases, (str(lines), False, True)]:  # (uri, local, loads)
+        monkeypatch.setattr(data_pipeline.sources, "is_local", lambda path, local=local: local)
         data = DataConfig(sources=[uri], num_workers=0)
         saved = build_train_data(data, embedded_tokenizer, SEQ, 4, 2, 0, 1, CPU)
         saved.next_step()
