@@ -42,18 +42,39 @@ def job_state(conf: Path, job_id: int) -> dict[str, str]:
 
 
 def wait_for_job(conf: Path, job_id: int, timeout: float = 240) -> dict[str, str]:
-    """Poll until the job has ended (after any requeues); its final state."""
+    """Poll until the job has ended (after any requeues); its final state, with SLURM's
+    own log lines about the job under "log" (what an assertion on the state shows)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = job_state(conf, job_id)
         if state["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-            return state
-        if state["JobState"] == "PENDING" and state.get("Reason") == "BeginTime":
-            # SLURM holds a requeued job for 2 minutes; a test need not wait that out
-            slurm(conf, "scontrol", "update", f"JobId={job_id}", "StartTime=now")
+            return state | {"log": daemon_log(conf, job_id)}
+        release_requeued(conf, job_id, state)
         time.sleep(1)
     subprocess.run(["scancel", str(job_id)], env=job_env(SLURM_CONF=str(conf)), check=False)
     pytest.fail(f"job {job_id} still {job_state(conf, job_id)['JobState']} after {timeout}s")
+
+
+def release_requeued(conf: Path, job_id: int, state: dict[str, str]) -> None:
+    """Start a requeued job now: SLURM holds one for 2 minutes, which a test need not wait
+    out. Only once its previous run has ended on every node (none still completing it,
+    its batch script's end reported): that report could otherwise be taken for the new
+    run's."""
+    if state["JobState"] != "PENDING" or state.get("Reason") != "BeginTime":
+        return
+    if not slurm(conf, "sinfo", "--noheader", "--states=completing", "--format=%N").strip():
+        slurm(conf, "scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+
+def daemon_log(conf: Path, job_id: int) -> str:
+    """slurmctld's and the slurmds' lines about a job (the cluster's logs beside its
+    slurm.conf): why SLURM ended or requeued it, when each run's batch script ended."""
+    pattern = re.compile(rf"(JobId={job_id}\b|job {job_id}\b|\[{job_id}\.)")
+    lines = []
+    for path in sorted((conf.parent / "log").glob("slurm*.log")):
+        lines += [f"{path.stem}: {line}" for line in path.read_text().splitlines()
+                  if pattern.search(line)]  # fmt: skip
+    return "\n".join(lines)
 
 
 def wait_for_text(path: Path, text: str, count: int, timeout: float = 60) -> None:
@@ -168,8 +189,7 @@ def test_usr1_checkpoint_requeue_and_resume(slurm_cluster, tmp_path):
     slurm(slurm_cluster, "scancel", "--batch", "--signal=USR1", str(job_id))
     state = wait_for_job(slurm_cluster, job_id)
     text = log.read_text()
-    assert state["JobState"] == "COMPLETED", text
-    assert state["Restarts"] == "1"
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text + state["log"]
     assert text.count("SIGUSR1, checkpointed") == 2
     assert f"requeueing job {job_id}" in text
     assert f"job {job_id} restart 1 on node[1-2]" in text
@@ -179,10 +199,12 @@ def test_usr1_checkpoint_requeue_and_resume(slurm_cluster, tmp_path):
 def test_time_limit_warning_to_the_tasks_checkpoints_and_requeues(slurm_cluster, tmp_path):
     """`--signal=USR1@N` without `B:`: SLURM itself signals the tasks (not the batch shell)
     N seconds before the time limit; they exit 75 and the job requeues itself."""
-    job_id, log = submit_stand_in(slurm_cluster, tmp_path, "--time=1", "--signal=USR1@55")
+    # SLURM sends it at its first check of time limits (every 30 s) that finds under N s
+    # left: 5 to 35 s into the job, long before the limit even on a loaded machine
+    job_id, log = submit_stand_in(slurm_cluster, tmp_path, "--time=2", "--signal=USR1@115")
     state = wait_for_job(slurm_cluster, job_id)
     text = log.read_text()
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text + state["log"]
     assert text.count("SIGUSR1, checkpointed") == 2
     assert text.count("resumed at restart 1, finished") == 2
 
@@ -250,9 +272,7 @@ def stop_mid_run(
         assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
         polls += 1
         if polls % 10 == 0:  # every 5 s
-            state = job_state(conf, job_id)
-            if state["JobState"] == "PENDING" and state.get("Reason") == "BeginTime":
-                slurm(conf, "scontrol", "update", f"JobId={job_id}", "StartTime=now")
+            release_requeued(conf, job_id, job_state(conf, job_id))
         time.sleep(0.5)
     slurm(conf, "scancel", *(scancel or ("--batch", "--signal=USR1")), str(job_id))
 
