@@ -10,12 +10,14 @@ refused before it waits in a queue. (torchtitan's ParallelDims plays the same pa
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from belief_lm.checkpoint.files import (
     CheckpointError,
@@ -247,6 +249,10 @@ def check_same_run(cfg: Config, path: Path) -> None:
     current = cfg.model_dump(mode="json")
     for section in ("model", "data"):
         old = saved.get(section, {})
+        # options added since the checkpoint was saved read as their defaults (one since
+        # removed or changed fails validation: the section is compared as saved)
+        with contextlib.suppress(ValidationError):
+            old = type(getattr(cfg, section)).model_validate(old).model_dump(mode="json")
         differ = sorted(
             f"{section}.{k} (checkpoint: {old.get(k)!r}, now: {v!r})"
             for k, v in current[section].items()

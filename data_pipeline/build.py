@@ -86,10 +86,17 @@ def _no_document(source: Source, data: DataConfig) -> str | None:
     )
 
 
-def build_tokenizer(data: DataConfig, cache_dir: str) -> Tokenizer:
+def build_tokenizer(
+    data: DataConfig, cache_dir: str, trained_with: Path | None = None
+) -> Tokenizer:
     """The configured tokenizer, that of prepared sources, or one trained on a sample of the
     sources and cached (the sample is read only on a cache miss: in a job, let one rank
-    build it first and the others then find it in the cache)."""
+    build it first and the others then find it in the cache). A resumed run passes the
+    model its checkpoint holds (`trained_with`; ignored if that has none): used when none
+    is configured, whatever the cache holds (another node's, another sentencepiece's); a
+    configured one must be that same model."""
+    if trained_with is not None and not trained_with.is_file():
+        trained_with = None
     path = data.tokenizer.path
     prepared = [s for s in map(open_source, data.sources) if isinstance(s, PreparedSource)]
     if path is None and prepared:
@@ -98,12 +105,20 @@ def build_tokenizer(data: DataConfig, cache_dir: str) -> Tokenizer:
         path = Path(path).expanduser()
         if not path.is_file():
             raise ValueError(f"data.tokenizer.path: no such file: {path}")
-        return Tokenizer(path)
-    sampled = {"sources", "validation_fraction", "seed"}  # what decides the sample
-    key = [
-        json.dumps(data.model_dump(mode="json", include=sampled)),
-        f"sample={data.tokenizer.sample_documents}",
-    ]
+        tokenizer = Tokenizer(path)
+        if trained_with is not None and tokenizer.sha256 != Tokenizer(trained_with).sha256:
+            raise ValueError(
+                f"data.tokenizer.path: {path} is not the tokenizer the checkpoint was trained "
+                f"with ({trained_with}): the same ids would stand for other pieces"
+            )
+        return tokenizer
+    if trained_with is not None:
+        return Tokenizer(trained_with)
+    sampled = data.model_dump(mode="json", include={"sources", "validation_fraction", "seed"})
+    for source in sampled["sources"]:  # unset: keyed as before the option, caches still match
+        if source["hub_revision"] is None:
+            del source["hub_revision"]
+    key = [json.dumps(sampled), f"sample={data.tokenizer.sample_documents}"]
     texts = tokenizer_sample(data, progress=False)  # a generator: read only if not cached
     return cached_tokenizer(key, texts, data.tokenizer.vocab_size, cache_dir)
 

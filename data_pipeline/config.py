@@ -37,6 +37,11 @@ class SourceConfig(Section):
     """Hub dataset config (e.g. sample-10BT); overrides the URI's :CONFIG part."""
     hub_split: str = "train"
     """Split of the hub dataset to stream."""
+    hub_revision: str | None = None
+    """Branch, tag or commit of the hub dataset (a commit pins its files); None: its main
+    branch. 'refs/convert/parquet': the hub's own parquet copy, for a dataset that ships
+    only a loading script (which `datasets` no longer runs); of a dataset over 5 GB that
+    copy holds the first 5 GB."""
     format: Literal["auto", "parquet", "jsonl", "text"] = "auto"
     """Format of local files; auto: from the extension."""
     text_column: str = "text"

@@ -122,15 +122,31 @@ class Source:
     def _hub_files(self) -> list[str]:
         import datasets  # slow to import; only the hub needs it
 
+        revision = self.cfg.hub_revision
         try:
-            builder = datasets.load_dataset_builder(self.location, self.config_name)
+            builder = datasets.load_dataset_builder(
+                self.location, self.config_name, revision=revision
+            )
         except Exception as err:  # network, auth, unknown repo/config: all fatal here
+            if "scripts are no longer supported" in str(err):  # datasets >= 4
+                raise SourceError(
+                    "uri", f"hub dataset {self.location!r}"
+                    f"{f' at {revision!r}' if revision else ''} has only a loading script "
+                    f"({err}); set hub_revision: refs/convert/parquet to read the hub's "
+                    "parquet copy of it (of a dataset over 5 GB: its first 5 GB), or give "
+                    "the path of its files"
+                ) from None  # fmt: skip
             raise SourceError("uri", f"cannot open hub dataset {self.location!r}: {err}") from None
         files = (builder.config.data_files or {}).get(self.cfg.hub_split)
         if not files:
             raise SourceError(
                 "hub_split", f"hub dataset {self.location!r} has no files for split "
                 f"{self.cfg.hub_split!r}"
+            )  # fmt: skip
+        if any(f"/partial-{self.cfg.hub_split}/" in str(f) for f in files):
+            log.warning(
+                "%s: the hub's parquet copy of this dataset is partial (its first 5 GB): a "
+                "run reads that part only", self.cfg.uri,
             )  # fmt: skip
         formats = {format_of(f) for f in files}
         if formats - {"parquet", "jsonl"} or len(formats) > 1:

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+import yaml
 
 from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo
 from belief_lm.checkpoint.manifest import seal
@@ -103,3 +104,17 @@ def test_the_checkpoint_a_resume_would_load_is_checked_up_front(tmp_path):
     with pytest.raises(CheckpointError, match=r"different model config: model\.num_layers"):
         preflight(config(*run, "model.num_layers=2", "parallel.tensor=2"), 2)
     assert ParallelDims(6, 2, 3).data == 1
+
+
+def test_a_checkpoint_saved_before_an_option_existed_resumes(tmp_path):
+    """A config.yaml without an option added since (a source's hub_revision) is read with
+    the option's default: the same run, not 'a different data config'."""
+    cfg = config(f"run.output_dir={tmp_path}", "data.sources=[{uri: 'hf:a/b'}]")
+    step = fake_checkpoint(tmp_path, cfg, data=1)
+    saved = yaml.safe_load((step / "config.yaml").read_text())
+    del saved["data"]["sources"][0]["hub_revision"]
+    (step / "config.yaml").write_text(yaml.safe_dump(saved))
+    seal(step)
+    assert preflight(cfg, 1).resume.path == step
+    with pytest.raises(CheckpointError, match=r"different data config: data\.sources"):
+        preflight(config(f"run.output_dir={tmp_path}", "data.sources=[{uri: 'hf:a/c'}]"), 1)

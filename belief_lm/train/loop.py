@@ -222,10 +222,12 @@ class Trainer:
         is_logger = dist.get_rank() == 0
         run_dir = prepare_run_dir(cfg, write=is_logger)
 
-        # rank 0 trains (or loads) the tokenizer first; the others then find it cached
-        tokenizer = rank_zero_first(lambda: build_tokenizer(cfg.data, cfg.run.cache_dir))
-        vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg.model, layout.tensor)
+        # rank 0 trains (or loads) the tokenizer first; the others then find it cached. A
+        # resumed run goes on with the one its checkpoint holds.
         resume = plan.resume
+        saved = None if resume is None else resume.path / "tokenizer.model"
+        tokenizer = rank_zero_first(lambda: build_tokenizer(cfg.data, cfg.run.cache_dir, saved))
+        vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg.model, layout.tensor)
         if resume is not None and resume.info.vocab_size != vocab_size:
             raise CheckpointError(
                 f"checkpoint {resume.path} has vocabulary {resume.info.vocab_size}, "

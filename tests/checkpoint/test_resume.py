@@ -25,13 +25,16 @@ def config(run_dir, cache_dir, *overrides):
 
 
 def test_resume_is_bit_exact(tmp_path, cache_dir):
-    """8 steps saving at 4 and 8; resumed from step 4 elsewhere: steps 5-8 identical."""
+    """8 steps saving at 4 and 8; resumed from step 4 elsewhere, with an empty cache (as on
+    another node): steps 5-8 identical, with the checkpoint's tokenizer (none trained)."""
     full = train(config(tmp_path / "a", cache_dir, "train.max_steps=8", "checkpoint.interval=4"))
     step4 = tmp_path / "a" / "checkpoints" / "step_000004"
     assert read_info(step4).consumed_tokens == 4 * 8 * 64
+    other_cache = tmp_path / "other-cache"
     resumed = train(
-        config(tmp_path / "b", cache_dir, "train.max_steps=8", f"checkpoint.resume={step4}")
+        config(tmp_path / "b", other_cache, "train.max_steps=8", f"checkpoint.resume={step4}")
     )
+    assert not list(other_cache.glob("tokenizers/*.model"))
     assert list(resumed.losses) == [5, 6, 7, 8]
     assert [resumed.losses[s] for s in (5, 6, 7, 8)] == [full.losses[s] for s in (5, 6, 7, 8)]
     # the run directory moved elsewhere, auto-resume there: nothing left to do at step 8,

@@ -166,6 +166,47 @@ def test_preflight_of_an_unreachable_hub_dataset(monkeypatch):
         check_data(DataConfig(sources=["hf:HuggingFaceFW/fineweb-edu:sample-10BT"]))
 
 
+def test_a_hub_dataset_of_only_a_loading_script_says_what_to_set(tmp_path):
+    """`datasets` (>= 4) refuses a dataset that ships a loading script (OpenWebText's repo
+    did): the pre-flight names the key that reads the hub's parquet copy of it instead.
+    Here a local directory holding `<name>.py`, which `datasets` refuses alike."""
+    root = tmp_path / "openwebtext"
+    root.mkdir()
+    (root / "openwebtext.py").write_text("import datasets\n")
+    with pytest.raises(
+        ValueError,
+        match=r"data\.sources\.0\.uri: hub dataset '.*openwebtext' has only a loading script "
+        r"\(Dataset scripts are no longer supported, but found openwebtext\.py\); set "
+        r"hub_revision: refs/convert/parquet",
+    ):
+        check_data(DataConfig(sources=[f"hf:{root}"]))
+
+
+def test_a_hub_revision_reads_the_hubs_parquet_copy(tmp_path, monkeypatch, caplog):
+    """hub_revision goes to `datasets`, which resolves the files of that branch; the
+    hub's parquet copy (refs/convert/parquet: CONFIG/SPLIT/NNNN.parquet, partial-SPLIT for a
+    dataset over 5 GB), laid out here locally, is read whole, with a warning that it is
+    partial."""
+    part = tmp_path / "openwebtext/plain_text/partial-train"
+    part.mkdir(parents=True)
+    docs = texts(20)
+    for i in range(2):
+        pq.write_table(pa.table({"text": docs[i::2]}), part / f"{i:04d}.parquet")
+    revisions, real = [], datasets.load_dataset_builder
+
+    def load_dataset_builder(path, name=None, **options):
+        revisions.append(options.get("revision"))
+        return real(path, name, **options)
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", load_dataset_builder)
+    src = source(f"hf:{tmp_path}/openwebtext", hub_revision="refs/convert/parquet")
+    with caplog.at_level(logging.WARNING):
+        got, counts = read_documents(src)
+    assert revisions == ["refs/convert/parquet"]
+    assert sorted(d.text for d in got) == sorted(docs) and counts["documents"] == 20
+    assert "parquet copy of this dataset is partial (its first 5 GB)" in caplog.text
+
+
 def test_shipped_hub_configs_name_the_real_datasets():
     fineweb = load_config("configs/data/fineweb-edu.yaml").data.sources[0]
     assert (fineweb.uri, fineweb.id_column, fineweb.filters) == (

@@ -31,6 +31,34 @@ def test_cache_trains_once(cache_dir, embedded_tokenizer, monkeypatch):
         build_tokenizer(DataConfig(validation_fraction=0.5), cache_dir)
 
 
+def test_a_resumed_run_goes_on_with_its_checkpoints_tokenizer(
+    tmp_path, embedded_tokenizer, monkeypatch
+):
+    """The model a checkpoint holds is the run's tokenizer on resume, whatever the cache
+    holds (here an empty one: another node's, or keyed by another sentencepiece); a
+    configured tokenizer must be that model; a checkpoint without one: as a new run."""
+
+    def fail(*a, **k):
+        raise AssertionError("trained a tokenizer")
+
+    monkeypatch.setattr(tk, "train_tokenizer", fail)
+    saved = tmp_path / "step_000004/tokenizer.model"
+    saved.parent.mkdir()
+    saved.write_bytes(embedded_tokenizer.path.read_bytes())
+    empty_cache = tmp_path / "cache"
+    assert build_tokenizer(DataConfig(), empty_cache, saved).path == saved
+    same = DataConfig(tokenizer={"path": str(embedded_tokenizer.path)})
+    assert build_tokenizer(same, empty_cache, saved).path == embedded_tokenizer.path
+    other = tmp_path / "other.model"
+    model = saved.read_bytes()
+    other.write_bytes(model[:-1] + bytes([model[-1] ^ 1]))  # another model file
+    with pytest.raises(ValueError, match=r"data\.tokenizer\.path: .*other\.model is not the "
+                       r"tokenizer the checkpoint was trained with"):  # fmt: skip
+        build_tokenizer(DataConfig(tokenizer={"path": str(other)}), empty_cache, saved)
+    with pytest.raises(AssertionError, match="trained a tokenizer"):
+        build_tokenizer(DataConfig(), empty_cache, tmp_path / "none/tokenizer.model")
+
+
 def test_tokenizer_survives_pickling(embedded_tokenizer):
     """DataLoader workers started by spawn receive the tokenizer pickled."""
     again = pickle.loads(pickle.dumps(embedded_tokenizer))
