@@ -32,7 +32,7 @@ from data_pipeline.stream import (
     slot_source,
     stream_for,
 )
-from data_pipeline.tokenizer import Tokenizer, cached_tokenizer
+from data_pipeline.tokenizer import Tokenizer, cached_copy, cached_tokenizer
 
 
 def open_source(cfg: SourceConfig) -> Source | PreparedSource:
@@ -93,8 +93,9 @@ def build_tokenizer(
     sources and cached (the sample is read only on a cache miss: in a job, let one rank
     build it first and the others then find it in the cache). A resumed run passes the
     model its checkpoint holds (`trained_with`; ignored if that has none): used when none
-    is configured, whatever the cache holds (another node's, another sentencepiece's); a
-    configured one must be that same model."""
+    is configured, whatever the cache holds (another node's, another sentencepiece's), from
+    a copy in the cache (the run's rotation may delete that checkpoint); a configured one
+    must be that same model."""
     if trained_with is not None and not trained_with.is_file():
         trained_with = None
     path = data.tokenizer.path
@@ -113,7 +114,7 @@ def build_tokenizer(
             )
         return tokenizer
     if trained_with is not None:
-        return Tokenizer(trained_with)
+        return cached_copy(trained_with, cache_dir)
     sampled = data.model_dump(mode="json", include={"sources", "validation_fraction", "seed"})
     for source in sampled["sources"]:  # unset: keyed as before the option, caches still match
         if source["hub_revision"] is None:

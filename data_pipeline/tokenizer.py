@@ -143,10 +143,14 @@ def train_tokenizer(
         raise ValueError(f"training the tokenizer failed: {err}") from None
     if failures:
         raise failures[0]
-    output = Path(output)
+    return _write_model(model.getvalue(), Path(output))
+
+
+def _write_model(model: bytes, output: Path) -> Tokenizer:
+    """The model written to `output` at once (a reader never sees half a file)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=output.parent, delete=False, suffix=".tmp") as tmp:
-        tmp.write(model.getvalue())
+        tmp.write(model)
     os.replace(tmp.name, output)
     return Tokenizer(output)
 
@@ -163,6 +167,16 @@ def cached_tokenizer(
     if path.exists():
         return Tokenizer(path)
     return train_tokenizer(texts, vocab_size, path)
+
+
+def cached_copy(model: Path, cache_dir: str | Path) -> Tokenizer:
+    """Tokenizer model `model` as kept in the cache under its content's hash: a path that
+    stays for a model whose own file may go (a checkpoint's, deleted by the run's rotation
+    while the run saves the model into every new checkpoint and workers load it by path)."""
+    data = model.read_bytes()
+    name = f"sha256-{hashlib.sha256(data).hexdigest()[:16]}.model"
+    path = Path(cache_dir).expanduser() / "tokenizers" / name
+    return Tokenizer(path) if path.exists() else _write_model(data, path)
 
 
 def copy_model(tokenizer: Tokenizer, destination: str | Path) -> Path:

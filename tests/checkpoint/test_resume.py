@@ -34,7 +34,8 @@ def test_resume_is_bit_exact(tmp_path, cache_dir):
     resumed = train(
         config(tmp_path / "b", other_cache, "train.max_steps=8", f"checkpoint.resume={step4}")
     )
-    assert not list(other_cache.glob("tokenizers/*.model"))
+    kept = [p.read_bytes() for p in other_cache.glob("tokenizers/*.model")]
+    assert kept == [(step4 / "tokenizer.model").read_bytes()]  # a copy, none trained
     assert list(resumed.losses) == [5, 6, 7, 8]
     assert [resumed.losses[s] for s in (5, 6, 7, 8)] == [full.losses[s] for s in (5, 6, 7, 8)]
     # the run directory moved elsewhere, auto-resume there: nothing left to do at step 8,
@@ -45,7 +46,10 @@ def test_resume_is_bit_exact(tmp_path, cache_dir):
     assert [p.name for p in sorted((moved / "checkpoints").glob("step_*"))] == [
         "step_000004", "step_000008",
     ]  # fmt: skip
-    longer = train(config(moved, cache_dir, "train.max_steps=10"))
+    # saving every step, keeping one: step 8, resumed from, is deleted, and step 10 saved
+    longer = train(
+        config(moved, cache_dir, "train.max_steps=10", "checkpoint.interval=1", "checkpoint.keep=1")
+    )
     further = train(config(tmp_path / "b", cache_dir, "train.max_steps=10"))
     assert list(longer.losses) == [9, 10]
     assert longer.losses == further.losses

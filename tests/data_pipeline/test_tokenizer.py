@@ -1,5 +1,6 @@
 import pickle
 import re
+import shutil
 
 import pytest
 
@@ -46,7 +47,9 @@ def test_a_resumed_run_goes_on_with_its_checkpoints_tokenizer(
     saved.parent.mkdir()
     saved.write_bytes(embedded_tokenizer.path.read_bytes())
     empty_cache = tmp_path / "cache"
-    assert build_tokenizer(DataConfig(), empty_cache, saved).path == saved
+    resumed = build_tokenizer(DataConfig(), empty_cache, saved)
+    assert resumed.sha256 == embedded_tokenizer.sha256 and resumed.path.parent.parent == empty_cache
+    assert build_tokenizer(DataConfig(), empty_cache, saved).path == resumed.path
     same = DataConfig(tokenizer={"path": str(embedded_tokenizer.path)})
     assert build_tokenizer(same, empty_cache, saved).path == embedded_tokenizer.path
     other = tmp_path / "other.model"
@@ -57,6 +60,11 @@ def test_a_resumed_run_goes_on_with_its_checkpoints_tokenizer(
         build_tokenizer(DataConfig(tokenizer={"path": str(other)}), empty_cache, saved)
     with pytest.raises(AssertionError, match="trained a tokenizer"):
         build_tokenizer(DataConfig(), empty_cache, tmp_path / "none/tokenizer.model")
+    # the checkpoint deleted (the run's rotation): the run still saves the model into new
+    # checkpoints, and its loader workers load it by path
+    shutil.rmtree(saved.parent)
+    assert resumed.path.read_bytes() == embedded_tokenizer.path.read_bytes()
+    assert pickle.loads(pickle.dumps(resumed)).encode("text") == embedded_tokenizer.encode("text")
 
 
 def test_tokenizer_survives_pickling(embedded_tokenizer):
