@@ -201,6 +201,8 @@ def test_the_private_name_check_sees_each_form(tmp_path):
         "belief_lm.cli",
         "belief_lm.preflight",
         "belief_lm.plan",
+        "belief_lm.description",
+        "belief_lm.train.flops",
         "belief_lm.config",
         "belief_lm.exit_codes",
         "belief_lm.checkpoint.verify",
