@@ -13,7 +13,8 @@ a Llama's ids come from its own tokenizer, not from one belief-lm would train, s
 must name it (data.tokenizer.path), or DIR must hold its sentencepiece `tokenizer.model`,
 which the written config then names (give `train` the same data.tokenizer.path).
 
-Weights are fp32 under BeliefLM's names (export/hf.py's naming, in reverse). Any attention
+Weights are fp32 under BeliefLM's names (the model's description, belief_lm.description,
+read the other way than export/hf.py reads it). Any attention
 variant may be chosen: softmax computes what the Llama computes; the others start from its
 weights (belief_star's W^s, which a Llama lacks, is initialised as a fresh model's, from
 run.seed).
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from belief_lm.checkpoint.files import CheckpointInfo, complete_checkpoints, step_name
 from belief_lm.config import Config, ModelConfig, padded_vocab_size
+from belief_lm.description import describe
 from belief_lm.preflight import checkpoint_root
 from data_pipeline.tokenizer import Tokenizer
 
@@ -143,32 +145,30 @@ def import_hf(folder: str | Path, cfg: Config) -> Path:
 
 
 def llama_weights(files: list[Path], cfg: Config, vocab_size: int) -> dict:
-    """BeliefLM's whole fp32 weights from the Llama's tensors; what a Llama lacks
-    (belief_star's W^s) as a fresh model of run.seed initialises it."""
+    """BeliefLM's whole fp32 weights from the Llama's tensors, joined as the model's
+    description says; what a Llama lacks (belief_star's W^s) as a fresh model of run.seed
+    initialises it."""
     import torch
     from safetensors.torch import load_file
 
     from belief_lm.export.hf import from_hf_state_dict
-    from belief_lm.model.gpt import BeliefLM
-    from belief_lm.parallel.setup import single_process_groups
 
     theirs: dict[str, torch.Tensor] = {}
     for file in files:
         theirs.update(load_file(file))
-    converted = from_hf_state_dict(theirs, cfg.model)
-    single_process_groups()
-    fresh = BeliefLM(cfg.model, vocab_size, seed=cfg.run.seed).state_dict()
-    fresh = {name: t for name, t in fresh.items() if not name.endswith("_extra_state")}
-    unknown = sorted(set(converted) - set(fresh))
-    lacking = sorted(n for n in set(fresh) - set(converted) if not n.endswith("w_s.weight"))
-    problems = [f"{what} {', '.join(names[:5])}" for what, names in
-                (("unexpected", unknown), ("missing", lacking)) if names]  # fmt: skip
-    if problems:
-        raise ValueError("the checkpoint's tensors do not fit the run: " + "; ".join(problems))
-    for name, tensor in converted.items():
-        if tensor.shape != fresh[name].shape:
-            raise ValueError(
-                f"tensor {name}: shape {tuple(tensor.shape)}, the run's model has "
-                f"{tuple(fresh[name].shape)}"
-            )
-    return {name: converted.get(name, t).float().contiguous() for name, t in fresh.items()}
+    description = describe(cfg.model, vocab_size)
+    converted = from_hf_state_dict(theirs, description)  # every name and shape checked
+    weights = description.weights()
+    missing = [w.name for w in weights if w.in_llama and w.name not in converted]
+    if missing:
+        raise ValueError(
+            f"the checkpoint's tensors do not fit the run: missing {', '.join(missing[:5])}"
+        )
+    fresh = {}
+    if len(converted) < len(weights):
+        from belief_lm.model.gpt import BeliefLM
+        from belief_lm.parallel.setup import single_process_groups
+
+        single_process_groups()
+        fresh = BeliefLM(cfg.model, vocab_size, seed=cfg.run.seed).state_dict()
+    return {w.name: converted.get(w.name, fresh.get(w.name)).float().contiguous() for w in weights}

@@ -1,5 +1,6 @@
 """The Hugging Face export: transformers loads it and computes what BeliefLM computes."""
 
+import re
 import subprocess
 import sys
 
@@ -183,3 +184,47 @@ torch.save({{"logits": logits, "prompt": prompt, "greedy": greedy[0, len(prompt)
     )  # fmt: skip
     assert ours == without_eos(got["greedy"])
     assert consolidate(trained_checkpoint).info.step == 3
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_export_and_import_read_one_table(arch, variant):
+    """hf_state_dict writes exactly the description's Hugging Face tensors, and
+    from_hf_state_dict, reading the same table the other way, gives every tensor back."""
+    from belief_lm.config import ModelConfig
+    from belief_lm.description import describe
+    from belief_lm.export.hf import from_hf_state_dict, hf_state_dict
+
+    description = describe(ModelConfig(**SMALL, attention=variant, **ARCHITECTURES[arch]), 512)
+    generator = torch.Generator().manual_seed(0)
+    ours = {w.name: torch.randn(w.shape, generator=generator) for w in description.weights()}
+    theirs = hf_state_dict(ours, description)
+    assert {n: tuple(t.shape) for n, t in theirs.items()} == {
+        part.name: w.hf_shape(part) for w in description.weights() for part in w.hf
+    }
+    back = from_hf_state_dict(theirs, description)
+    assert back.keys() == ours.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_import_refuses_tensors_that_do_not_fit():
+    """A tensor the model has no place for, one of the wrong shape, a fused weight given in
+    part: each a ValueError naming the tensor; a weight given not at all is left out."""
+    from belief_lm.config import ModelConfig
+    from belief_lm.description import describe
+    from belief_lm.export.hf import from_hf_state_dict
+
+    description = describe(ModelConfig(**SMALL, **LLAMA_LIKE), 512)
+    full = {p.name: torch.zeros(w.hf_shape(p)) for w in description.weights() for p in w.hf}
+    q = "model.layers.1.self_attn.q_proj.weight"
+    cases = [
+        ({**full, "model.rotary_emb.inv_freq": torch.zeros(4)}, "model.rotary_emb.inv_freq"),
+        ({**full, q: torch.zeros(33, 32)}, f"tensor {q}: shape (33, 32), the run's model has"),
+        ({n: t for n, t in full.items() if n != q}, "layers.1.self_attention.linear_qkv.weight"),
+    ]
+    for state, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            from_hf_state_dict(state, description)
+    lacking = {n: t for n, t in full.items() if "o_proj" not in n}
+    assert len(from_hf_state_dict(lacking, description)) == len(description.weights()) - 2
