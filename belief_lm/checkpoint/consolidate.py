@@ -11,14 +11,13 @@ The weights are the fp32 master copy wherever the run kept one:
 - ZeRO-0 otherwise: the module's weights, the only copy there is (in fp32 the optimizer
   updates them; in bf16 without a pipeline DeepSpeed updates the bf16 weights in place).
 Model-parallel rank m holds pipeline stage m // TP and tensor-parallel slice m % TP (TP
-innermost); the slices are joined as `universal_info` describes them to DeepSpeed's
-universal converter, and pipeline names are mapped to BeliefLM's.
+innermost); the slices are joined as the model's description (belief_lm.description)
+splits each weight, and pipeline names are mapped to BeliefLM's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 import tempfile
 from collections import defaultdict
@@ -39,8 +38,8 @@ from belief_lm.checkpoint.files import (
     problems,
     read_info,
 )
-from belief_lm.checkpoint.universal import universal_info
 from belief_lm.config import Config, ModelConfig
+from belief_lm.description import Weight, describe
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.model.pipeline import canonical_name
 
@@ -126,8 +125,8 @@ def consolidate(path: str | Path, verify: bool = True) -> Consolidated:
                 whole_slice.setdefault(name, tensor)
         for name, tensor in whole_slice.items():
             slices[name].append(tensor.float())
-    sharding = universal_info(config.model)
-    state = {name: _join(name, parts, sharding) for name, parts in slices.items()}
+    described = {w.name: w for w in describe(config.model, info.vocab_size).weights()}
+    state = {name: _join(path, name, parts, described) for name, parts in slices.items()}
     return Consolidated(path, info, config, state, tokenizer)
 
 
@@ -218,19 +217,15 @@ def _canonical(state: dict, info: CheckpointInfo, model: ModelConfig) -> dict[st
     }
 
 
-def _join(name: str, parts: list[torch.Tensor], sharding: dict) -> torch.Tensor:
-    """The whole parameter from its tensor-parallel slices: replicated (any slice),
-    row-parallel (joined along dim 1), a SwiGLU fc1 ([gate_r; up_r] on each rank) or
-    column-parallel (dim 0, the default, vocabulary-parallel embeddings included)."""
+def _join(path: Path, name: str, parts: list[torch.Tensor], described: dict[str, Weight]):
+    """The whole parameter from its tensor-parallel slices, joined as the description
+    splits it: replicated (any slice), or along its split's dim (a SwiGLU fc1 holds
+    [gate_r; up_r] on each rank)."""
+    from belief_lm.parallel.gather import join_shards
 
-    def sharded(key: str) -> bool:
-        return any(re.match(pattern, name) for pattern in sharding.get(key, ()))
-
-    if len(parts) == 1 or sharded(ds.TP_REPLICATED_PARAMETER_PATTERNS):
+    if name not in described:
+        raise CheckpointError(f"checkpoint {path}: parameter {name} is not in its config's model")
+    split = described[name].split
+    if len(parts) == 1 or split is None:
         return parts[0]
-    if sharded(ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS):
-        return torch.cat(parts, dim=1)
-    if sharded(ds.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0):
-        halves = [part.chunk(2, dim=0) for part in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(parts, dim=0)
+    return join_shards(parts, split.dim, split.stride)

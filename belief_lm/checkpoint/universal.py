@@ -3,16 +3,17 @@
 `ds_to_universal` merges every parameter's TP slices and ZeRO fragments (weights and Adam
 moments) into whole fp32 tensors under <out>/zero/<parameter name>/; a job of any TP/PP/DP
 then loads them with `checkpoint.load_universal`. It needs to know how each parameter was
-sharded (`universal_info`), and it names parameters as the saving model did, so we add
-the other naming next to each (pipeline stages `3.self_attention...` and BeliefLM's
-`layers.2.self_attention...`): a pipelined checkpoint can resume without a pipeline and
-the other way round.
+sharded (`universal_info`, from the model's description: belief_lm.description), and it
+names parameters as the saving model did, so we add the other naming next to each
+(pipeline stages `3.self_attention...` and BeliefLM's `layers.2.self_attention...`): a
+pipelined checkpoint can resume without a pipeline and the other way round.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from deepspeed.checkpoint import constants as ds
 
 from belief_lm.checkpoint.files import CheckpointError, universal_path
 from belief_lm.config import ModelConfig
+from belief_lm.description import COLUMN, GATED, ROW, ModelDescription, Weight, describe
 from belief_lm.model.pipeline import TIED_KEY, canonical_name, pipeline_name
 from belief_lm.parallel.collectives import rank_zero_first
 
@@ -29,28 +31,47 @@ log = logging.getLogger("belief_lm.checkpoint")
 
 
 def universal_info(model: ModelConfig) -> dict:
-    """How each parameter is sharded over TP ranks, in ds_to_universal's terms (regular
-    expressions over both namings; unmatched parameters are column-parallel: dim 0). The
-    converter rejects patterns that match nothing, so only this model's are listed."""
-    final_norm = rf"^(final_norm|{model.num_layers + 1})\.(weight|bias)$"
-    replicated = [r".*layernorm\.(weight|bias)$", final_norm]
-    if model.bias:
-        replicated += [r".*linear_proj\.bias$", r".*linear_fc2\.bias$"]
-    if model.position_embedding == "learned_absolute":
-        replicated.append(r".*position_embeddings\.weight$")
-    row_parallel = [r".*linear_proj\.weight$", r".*linear_fc2\.weight$"]
-    if model.variant.extra_projection:
-        row_parallel.append(r".*linear_proj\.w_s\.weight$")
+    """How each parameter is sharded over TP ranks, in ds_to_universal's terms: regular
+    expressions over both namings, one per weight of the model's description (a decoder
+    layer's once, for every layer), listed under its split; column-parallel ones (dim 0)
+    are the converter's default. The converter rejects patterns that match nothing, so
+    only this model's weights are listed."""
+    description = describe(model, vocab_size=0)  # names and splits: the sizes do not matter
     info = {
         ds.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        ds.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
-        ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: row_parallel,
+        ds.TP_REPLICATED_PARAMETER_PATTERNS: [],
+        ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
     }
-    if model.activation == "swiglu":  # fc1 holds [gate_r; up_r] on each rank (stride 2)
-        info[ds.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = [r".*linear_fc1\.(weight|bias)$"]
+    for weight, pattern in _patterns(description):
+        if weight.split == COLUMN:
+            continue
+        if weight.split not in SPLIT_KEYS:
+            raise ValueError(f"{weight.name}: split {weight.split} has no universal form")
+        info.setdefault(SPLIT_KEYS[weight.split], []).append(pattern)
     if model.tie_embeddings:  # the output stage's copy of a tied embedding is the first's
         info[ds.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [rf"^tied_modules\.{TIED_KEY}\."]
     return info
+
+
+SPLIT_KEYS = {
+    None: ds.TP_REPLICATED_PARAMETER_PATTERNS,
+    ROW: ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+    GATED: ds.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0,  # fc1 holds [gate_r; up_r] on each rank
+}
+"""universal_checkpoint_info's list for each split but COLUMN (its default)."""
+
+
+def _patterns(description: ModelDescription) -> list[tuple[Weight, str]]:
+    """Each weight of the description with a regular expression matching its name as
+    BeliefLM and as the pipeline stages name it."""
+    model = description.model
+    found = []
+    for weight in (*description.embedding, *description.head):
+        theirs = pipeline_name(weight.name, model.num_layers, model.tie_embeddings)
+        found.append((weight, rf"^({re.escape(weight.name)}|{re.escape(theirs)})$"))
+    for weight in description.layer:  # layers.<i>.<name>, or <i + 1>.<name> in a pipeline
+        found.append((weight, rf"^(layers\.\d+|\d+)\.{re.escape(weight.name)}$"))
+    return found
 
 
 def ensure_universal(checkpoint: Path, model: ModelConfig) -> Path:
