@@ -30,6 +30,7 @@ file, and the test holds both to the entries.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -236,8 +237,9 @@ class ModelDescription:
     """Every weight of one model: its first stage's, one decoder layer's (repeated
     num_layers times) and its last stage's."""
 
-    model: ModelConfig
-    vocab_size: int
+    num_layers: int
+    tied: bool
+    """model.tie_embeddings: the embedding is the output layer's weight too."""
     embedding: tuple[Weight, ...]
     layer: tuple[Weight, ...]
     """Named within the layer (model.layers[i]'s are under LAYER_PREFIX)."""
@@ -245,7 +247,7 @@ class ModelDescription:
 
     def weights(self) -> list[Weight]:
         """Every parameter of BeliefLM under its own name (a tied embedding once)."""
-        layers = [self.in_layer(i) for i in range(self.model.num_layers)]
+        layers = [self.in_layer(i) for i in range(self.num_layers)]
         return [*self.embedding, *(w for layer in layers for w in layer), *self.head]
 
     def in_layer(self, index: int) -> list[Weight]:
@@ -258,26 +260,39 @@ class ModelDescription:
         ]  # fmt: skip
 
     def stage_weights(self, stage: int, stages: int) -> list[Weight]:
-        """The weights pipeline stage `stage` of `stages` holds: its decoder layers, the
-        embedding on the first, the final norm and output layer on the last; with tied
-        embeddings and a pipeline the last stage holds its own copy of the embedding
+        """The weights pipeline stage `stage` of `stages` holds (`stage_parts`, the decoder
+        layers' under their model-wide names)."""
+        first, layers, last = self.stage_parts(stage, stages)
+        return [*first, *(w for i in layers for w in self.in_layer(i)), *last]
+
+    def stage_parts(
+        self, stage: int, stages: int
+    ) -> tuple[tuple[Weight, ...], range, tuple[Weight, ...]]:
+        """What pipeline stage `stage` of `stages` holds: the embedding on the first, its
+        decoder layers (their indices), the final norm and output layer on the last; with
+        tied embeddings and a pipeline the last stage holds its own copy of the embedding
         (DeepSpeed's TiedLayerSpec builds the whole embedding module there)."""
-        counts = stage_layers(self.model.num_layers, stages)
-        first = sum(counts[:stage])
-        held = [w for i in range(first, first + counts[stage]) for w in self.in_layer(i)]
-        if stage == 0:
-            held = [*self.embedding, *held]
+        counts = stage_layers(self.num_layers, stages)
+        start = sum(counts[:stage])
+        first = self.embedding if stage == 0 else ()
+        last = ()
         if stage == stages - 1:
-            copy = self.embedding if self.model.tie_embeddings and stages > 1 else ()
-            held = [*held, *copy, *self.head]
-        return held
+            copy = self.embedding if self.tied and stages > 1 else ()
+            last = (*copy, *self.head)
+        return first, range(start, start + counts[stage]), last
+
+    def stage_parameters(self, stage: int, tensor: int, stages: int) -> int:
+        """Parameters one tensor-parallel rank of pipeline stage `stage` holds."""
+        first, layers, last = self.stage_parts(stage, stages)
+
+        def count(weights: tuple[Weight, ...]) -> int:
+            return sum(w.shard_numel(tensor) for w in weights)
+
+        return count(first) + len(layers) * count(self.layer) + count(last)
 
     def rank_parameters(self, tensor: int, stages: int) -> list[int]:
         """Parameters one tensor-parallel rank of each pipeline stage holds."""
-        return [
-            sum(w.shard_numel(tensor) for w in self.stage_weights(stage, stages))
-            for stage in range(stages)
-        ]
+        return [self.stage_parameters(stage, tensor, stages) for stage in range(stages)]
 
     def largest_shard(self, tensor: int) -> int:
         """Elements of the largest parameter on one tensor-parallel rank."""
@@ -286,7 +301,7 @@ class ModelDescription:
     def matmul_weights(self) -> int:
         """Weights used in matrix multiplies (embedding lookups and norms excluded), the
         output layer's (or the tied embedding's) once."""
-        layers = self.model.num_layers * matmul_count(self.layer)
+        layers = self.num_layers * matmul_count(self.layer)
         return matmul_count(self.embedding) + layers + matmul_count(self.head)
 
 
@@ -296,10 +311,17 @@ def matmul_count(weights: tuple[Weight, ...] | list[Weight]) -> int:
 
 
 def describe(model: ModelConfig, vocab_size: int) -> ModelDescription:
-    """The description of `model` with `vocab_size` embedding rows."""
+    """The description of `model` with `vocab_size` embedding rows (made once per model:
+    the planner asks for the same one for every candidate)."""
+    return _description(model.model_dump_json(), vocab_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _description(model_json: str, vocab_size: int) -> ModelDescription:
+    model = ModelConfig.model_validate_json(model_json)
     return ModelDescription(
-        model, vocab_size, embedding_weights(model, vocab_size), layer_weights(model),
-        head_weights(model, vocab_size),
+        model.num_layers, model.tie_embeddings, embedding_weights(model, vocab_size),
+        layer_weights(model), head_weights(model, vocab_size),
     )  # fmt: skip
 
 
@@ -307,7 +329,8 @@ def describe(model: ModelConfig, vocab_size: int) -> ModelDescription:
 
 
 def layer_saved(model: ModelConfig, tensor: int, bf16: bool) -> tuple[Saved, ...]:
-    """What one decoder layer keeps for backward, per token on one tensor-parallel rank.
+    """What one decoder layer keeps for backward, per token on one tensor-parallel rank
+    (made once per model, as `describe`).
 
     Counted from what autograd saves in this model (megatron's local layer spec with
     FamilyCoreAttention; no sequence parallelism, so the norms' tensors are replicated);
@@ -316,6 +339,12 @@ def layer_saved(model: ModelConfig, tensor: int, bf16: bool) -> tuple[Saved, ...
     composite kernel; LayerNorm only its input and output), so the layer input and the
     residual sum are kept through the norms.
     """
+    return _layer_saved(model.model_dump_json(), tensor, bf16)
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_saved(model_json: str, tensor: int, bf16: bool) -> tuple[Saved, ...]:
+    model = ModelConfig.model_validate_json(model_json)
     hidden, head_dim = model.hidden_size, model.head_dim
     q = model.num_attention_heads // tensor * head_dim
     kv = model.query_groups // tensor * head_dim

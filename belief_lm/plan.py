@@ -253,7 +253,7 @@ def memory(
         return max(stages, key=lambda m: m.peak)
     model = cfg.model
     description = describe(model, vocab_size)
-    params = description.rank_parameters(candidate.tensor, candidate.pipeline)[stage]
+    params = description.stage_parameters(stage, candidate.tensor, candidate.pipeline)
     layers = stage_layers(model.num_layers, candidate.pipeline)[stage]
     tokens = candidate.micro_batch * model.seq_length
     last = stage == candidate.pipeline - 1

@@ -64,10 +64,9 @@ SPLIT_KEYS = {
 def _patterns(description: ModelDescription) -> list[tuple[Weight, str]]:
     """Each weight of the description with a regular expression matching its name as
     BeliefLM and as the pipeline stages name it."""
-    model = description.model
     found = []
     for weight in (*description.embedding, *description.head):
-        theirs = pipeline_name(weight.name, model.num_layers, model.tie_embeddings)
+        theirs = pipeline_name(weight.name, description.num_layers, description.tied)
         found.append((weight, rf"^({re.escape(weight.name)}|{re.escape(theirs)})$"))
     for weight in description.layer:  # layers.<i>.<name>, or <i + 1>.<name> in a pipeline
         found.append((weight, rf"^(layers\.\d+|\d+)\.{re.escape(weight.name)}$"))
