@@ -1,12 +1,19 @@
-"""Shared fixtures: CPU DeepSpeed, a one-process gloo group with megatron's groups."""
+"""Shared fixtures: CPU DeepSpeed, a one-process gloo group with megatron's groups; and
+the split of the suite between pytest-xdist's workers (pyproject: `-n 2 --dist loadgroup`)."""
 
 from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports deepspeed
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers / lm-eval: local files only
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+"""pytest-xdist's worker processes running the suite side by side (1: no xdist)."""
+if WORKERS > 1:  # each worker's torch takes its share of the cores, not all of them: OpenMP
+    # threads of two workers on the same cores wait on each other (before torch is imported)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
 warnings.filterwarnings("ignore")
 
 import pytest  # noqa: E402
@@ -118,3 +125,48 @@ def make_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
         return step
 
     return make
+
+
+PER_WORKER = {"single_process_group", "cache_dir", "small_tokenizer", "make_checkpoint",
+              "embedded_tokenizer"}  # fmt: skip
+"""Session fixtures cheap enough for each xdist worker to make its own (a process group of
+one, a tokenizer trained in about a second); every other session- or module-scoped
+fixture (a training run, a multi-rank job) is made once, on one worker."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks (its own modifyitems)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep the tests that share an expensive fixture on one xdist worker (`--dist loadgroup`
+    sends each xdist_group to one worker; an ungrouped test goes wherever a worker is free):
+    tests are joined when they use the same session-scoped fixture not in PER_WORKER, or the
+    same module- or class-scoped fixture in the same module; tests/infra (one SLURM cluster,
+    one dockerd on the machine) is one group. Without xdist the marks change nothing."""
+    parent = {}
+
+    def where(path: Path) -> str:  # a group's name: "parallel/test_equivalence.zero_stages"
+        return str(path.relative_to(Path(__file__).parent).with_suffix(""))
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    shared = {}
+    for item in items:
+        keys = ["infra"] if item.nodeid.startswith("tests/infra/") else []
+        # pytest's resolved fixtures of the item (its closure: fixtures' fixtures too); ours
+        # only (pytest's and plugins' own, e.g. tmp_path_factory, have no base id)
+        for name, definitions in item._fixtureinfo.name2fixturedefs.items():
+            scope = definitions[-1].scope if definitions[-1].baseid else "theirs"
+            if scope == "session" and name not in PER_WORKER:
+                keys.append(name)
+            elif scope in ("module", "class"):
+                keys.append(f"{where(item.path)}.{name}")
+            elif scope == "package":
+                keys.append(f"{where(item.path.parent)}.{name}")
+        for key in keys[1:]:
+            parent[find(key)] = find(keys[0])
+        shared[item] = keys
+    for item, keys in shared.items():
+        if keys:
+            item.add_marker(pytest.mark.xdist_group(find(keys[0])))
