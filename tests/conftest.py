@@ -3,6 +3,7 @@ the split of the suite between pytest-xdist's workers (pyproject: `-n 2 --dist l
 
 from __future__ import annotations
 
+import collections
 import os
 import warnings
 from pathlib import Path
@@ -137,10 +138,34 @@ fixture (a training run, a multi-rank job) is made once, on one worker."""
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks (its own modifyitems)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Keep the tests that share an expensive fixture on one xdist worker (`--dist loadgroup`
-    sends each xdist_group to one worker; an ungrouped test goes wherever a worker is free):
-    tests are joined when they use the same session-scoped fixture not in PER_WORKER, or the
-    same module- or class-scoped fixture in the same module; tests/infra (one SLURM cluster,
-    one dockerd on the machine) is one group. Without xdist the marks change nothing."""
+    sends each xdist_group to one worker; a test of no group goes wherever a worker is free),
+    and order the work xdist hands out (`--no-loadscope-reorder`: in this order): tests/infra
+    first (the longest chain, mostly waiting on SLURM), then the other groups, largest first,
+    then the single tests, which fill in at the end. Without xdist the marks change nothing."""
+    groups = fixture_groups(items)
+    for item, group in groups.items():
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    size = collections.Counter(groups.values())
+    position = {item: index for index, item in enumerate(items)}
+    first = {}  # where each group begins now
+    for item in items:
+        first.setdefault(groups[item], position[item])
+
+    def rank(item: pytest.Item) -> tuple:
+        group = groups[item]
+        if group is None:
+            return (1, 1, 0, position[item])
+        return (group != "infra", 0, -size[group], first[group])
+
+    items.sort(key=rank)  # stable: a group's tests keep their order
+
+
+def fixture_groups(items: list[pytest.Item]) -> dict[pytest.Item, str | None]:
+    """Each test's xdist group: tests are joined when they use the same session-scoped
+    fixture not in PER_WORKER, or the same module- or class-scoped fixture in the same
+    module; tests/infra (one SLURM cluster, one dockerd on the machine) is one group,
+    "infra". None for a test that shares nothing expensive."""
     parent = {}
 
     def where(path: Path) -> str:  # a group's name: "parallel/test_equivalence.zero_stages"
@@ -167,6 +192,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for key in keys[1:]:
             parent[find(key)] = find(keys[0])
         shared[item] = keys
-    for item, keys in shared.items():
-        if keys:
-            item.add_marker(pytest.mark.xdist_group(find(keys[0])))
+    return {item: find(keys[0]) if keys else None for item, keys in shared.items()}
