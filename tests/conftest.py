@@ -4,7 +4,10 @@ the split of the suite between pytest-xdist's workers (pyproject: `-n 2 --dist l
 from __future__ import annotations
 
 import collections
+import json
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -135,17 +138,57 @@ one, a tokenizer trained in about a second); every other session- or module-scop
 fixture (a training run, a multi-rank job) is made once, on one worker."""
 
 
+GROUPS_FILE = "BELIEF_LM_TEST_GROUPS"
+"""The variable naming the file where xdist's workers write each test's group for the
+scheduler (FixtureGroups). xdist 3.8 tells its scheduler a test's xdist_group by renaming
+the test's `_nodeid`, which pytest 9.2 no longer reads (node ids are derived anew), so
+every test would go wherever a worker is free."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        folder = Path(tempfile.mkdtemp(prefix="belief-lm-test-groups-"))
+        os.environ[GROUPS_FILE] = str(folder / "groups.json")  # the workers inherit it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if os.environ.get(GROUPS_FILE) and not hasattr(config, "workerinput"):
+        shutil.rmtree(Path(os.environ.pop(GROUPS_FILE)).parent, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own (firstresult)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` with the groups the workers wrote to GROUPS_FILE."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FixtureGroups(LoadGroupScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # written before the workers reported their collections
+                path = Path(os.environ.get(GROUPS_FILE, "/nonexistent"))
+                self.groups = json.loads(path.read_text()) if path.is_file() else {}
+            return self.groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return FixtureGroups(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks (its own modifyitems)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Keep the tests that share an expensive fixture on one xdist worker (`--dist loadgroup`
-    sends each xdist_group to one worker; a test of no group goes wherever a worker is free),
-    and order the work xdist hands out (`--no-loadscope-reorder`: in this order): tests/infra
+    sends each group to one worker; a test of no group goes wherever a worker is free), and
+    order the work xdist hands out (`--no-loadscope-reorder`: in this order): tests/infra
     first (the longest chain, mostly waiting on SLURM), then the other groups, largest first,
-    then the single tests, which fill in at the end. Without xdist the marks change nothing."""
+    then the single tests, which fill in at the end. Without xdist the groups change nothing."""
     groups = fixture_groups(items)
     for item, group in groups.items():
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+    if os.environ.get(GROUPS_FILE):  # every worker writes the same, whole
+        path = Path(os.environ[GROUPS_FILE])
+        written = path.with_name(f"{os.getpid()}.json")
+        written.write_text(json.dumps({i.nodeid: g for i, g in groups.items() if g is not None}))
+        os.replace(written, path)
     size = collections.Counter(groups.values())
     position = {item: index for index, item in enumerate(items)}
     first = {}  # where each group begins now
