@@ -156,7 +156,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(Path(os.environ.pop(GROUPS_FILE)).parent, ignore_errors=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own (firstresult)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (firstresult)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`--dist loadgroup` with the groups the workers wrote to GROUPS_FILE."""
     from xdist.scheduler import LoadGroupScheduling
