@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import shutil
 from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,17 +63,25 @@ def prepare(
     totals: Counter = Counter()
     reader = DocumentReader(source, StreamSettings(window=2, split=None))
     documents = (batch for batch in batched(reader.documents(source.units()), READ_BATCH))
-    # spawn: no inherited threads or locks; the workers import only the tokenizer module
-    context = multiprocessing.get_context("spawn")
+    # spawn: no inherited threads or locks; the workers import only the tokenizer module.
+    # An executor, not multiprocessing.Pool: a worker that dies fails the run
+    # (BrokenProcessPool) instead of leaving its result waited for forever, and leaving the
+    # block joins the workers (Pool.terminate could hang at the end on a loaded machine).
+    spawn = multiprocessing.get_context("spawn")
     with (
-        context.Pool(workers, initializer=load_in_process, initargs=(str(tokenizer.path),)) as pool,
+        ProcessPoolExecutor(
+            workers,
+            mp_context=spawn,
+            initializer=load_in_process,
+            initargs=(str(tokenizer.path),),
+        ) as pool,
         tqdm(desc=f"prepare {source.cfg.uri}", unit="doc", disable=not progress) as bar,
     ):
         pending: deque = deque()  # bounded, so reading never runs ahead of tokenizing
 
         def write_oldest() -> None:
             batch, result = pending.popleft()
-            tokens, lengths = result.get()
+            tokens, lengths = result.result()
             for doc, piece in zip(batch, np.split(tokens, np.cumsum(lengths)[:-1]), strict=True):
                 split = split_of(doc.id, validation_fraction)
                 builders[split].add_document(piece, [len(piece)])
@@ -82,7 +91,7 @@ def prepare(
 
         for rows in documents:
             batch = [doc for doc, *_ in rows]
-            pending.append((batch, pool.apply_async(encode_in_process, ([d.text for d in batch],))))
+            pending.append((batch, pool.submit(encode_in_process, [d.text for d in batch])))
             if len(pending) >= 4 * workers:
                 write_oldest()
         while pending:
