@@ -9,6 +9,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from belief_lm import compat
 from belief_lm.config import load_config
+from tests.checkpoint.damage import poison
 from tests.jobs import MICRO, ROOT
 from tests.models import engine_for
 
@@ -103,22 +104,6 @@ def saved_engine(layout, tmp_path, tag: str, *overrides: str):
     engine.save_checkpoint(str(tmp_path), tag=tag, client_state=info)
     engine.destroy()
     return cfg, tmp_path / tag
-
-
-class Payload:
-    """Unpickled, it writes `marker` (a hostile file's code)."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
-
-
-def poison(file, marker) -> None:
-    state = torch.load(file, weights_only=False)  # the test's own file
-    state["payload"] = Payload(marker)
-    torch.save(state, file)
 
 
 def test_deepspeed_pickles_only_the_classes_we_allow(single_process_group, tmp_path):

@@ -22,6 +22,7 @@ from belief_lm.config import load_config
 from belief_lm.preflight import ResumeFrom
 from belief_lm.train import trainer_state
 from tests.checkpoint.conftest import RUNS
+from tests.checkpoint.damage import poison
 
 KINDS = [
     "data_state.pt",
@@ -30,16 +31,6 @@ KINDS = [
     "run_state/rank00000.pt",
 ]
 """Every torch file the trainer's one-process ZeRO-1 checkpoint holds."""
-
-
-class Payload:
-    """Unpickled, it runs exec(): writes 'ran' to `marker` (what a hostile file does)."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
 
 
 def copy_run(checkpoint, to):
@@ -53,12 +44,6 @@ def reseal(step) -> None:
     """A manifest matching the files as they are now, as `belief-lm checkpoint seal` writes."""
     (step / "manifest.json").unlink()
     assert main(["checkpoint", "seal", str(step)]) == 0
-
-
-def poison(file, marker) -> None:
-    state = torch.load(file, weights_only=False)  # the test's own file: pickle is fine here
-    state["payload"] = Payload(marker)
-    torch.save(state, file)
 
 
 @pytest.fixture
@@ -108,8 +93,9 @@ def test_no_command_runs_a_poisoned_file_and_each_that_reads_it_exits_2(
         said = capsys.readouterr()
         assert not marker.exists(), f"{command} ran the payload of {name}"
         assert "Traceback" not in said.err, command
-        if reads:
-            assert f"{name} asks to import builtins.exec" in said.out + said.err, command
+        if reads:  # refused before any file is loaded: the checkpoint, naming the file
+            where = "refused: " if command == "checkpoint verify" else f"checkpoint {step}: "
+            assert f"{where}{name} asks to import builtins.exec" in said.out + said.err, command
     pytest.importorskip("lm_eval")  # the lm-eval model: an optional extra
     from belief_lm.inference.lm_eval_adapter import BeliefLMEval
 
@@ -165,6 +151,20 @@ def test_a_checkpoint_holds_nothing_beyond_the_allow_list(trained_checkpoint):
     files = sorted(trained_checkpoint.rglob("*.pt"))
     assert [f.relative_to(trained_checkpoint).as_posix() for f in files] == sorted(KINDS)
     assert loading.refusals(trained_checkpoint) == []
+
+
+def test_only_the_allow_list_counts(tmp_path):
+    """megatron-core adds argparse.Namespace (and 15 more) to torch's list of safe types
+    for the whole process when imported: a checkpoint file holding one is refused all the
+    same, and torch's list is as it was afterwards."""
+    import argparse
+
+    before = set(torch.serialization.get_safe_globals())
+    assert argparse.Namespace in before
+    torch.save({"args": argparse.Namespace(lr=1.0)}, tmp_path / "args.pt")
+    with pytest.raises(loading.RefusedFile, match=r"args\.pt asks to import argparse\.Namespace"):
+        loading.load(tmp_path / "args.pt")
+    assert set(torch.serialization.get_safe_globals()) == before
 
 
 def legacy(step) -> None:

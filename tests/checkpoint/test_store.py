@@ -73,6 +73,36 @@ def test_read_info_names_the_problem(tmp_path):
     with pytest.raises(CheckpointError, match="marked incomplete"):
         read_info(make(tmp_path, 4, run_json=json.dumps({"step": 4, **INFO, "complete": False})))
     assert read_info(make(tmp_path, 5)).step == 5
+    hostile = [("step", "6"), ("complete", "yes"), ("tensor", -1), ("zero_stage", 1.5)]
+    for step, (field, value) in enumerate(hostile, start=6):  # run.json of the wrong shape
+        body = json.dumps({"step": step, **INFO, field: value})
+        with pytest.raises(CheckpointError, match=rf"corrupt run\.json \({field}="):
+            read_info(make(tmp_path, step, run_json=body))
+    for step, text in ((10, "[1, 2]"), (11, b"\xff\xfe".decode("latin-1")), (12, '"x"')):
+        with pytest.raises(CheckpointError, match=r"corrupt run\.json"):
+            read_info(make(tmp_path, step, run_json=text))
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"../outside": {"size": 1, "crc32": "0"}}, "not a file inside the checkpoint"),
+        ({"/etc/passwd": {"size": 1, "crc32": "0"}}, "not a file inside the checkpoint"),
+        ({"run.json": {"size": "big", "crc32": "0"}}, "gives run.json the size 'big'"),
+        ({"run.json": {"size": 1, "crc32": 7}}, "corrupt"),
+        ([], "corrupt"),
+    ],
+    ids=["parent", "absolute", "size", "crc", "list"],
+)
+def test_a_hostile_manifest_is_corrupt(tmp_path, files, message):
+    """A manifest whose own checksum matches (anyone can compute it) but which names a file
+    outside the checkpoint or gives a size that is no number: corrupt, nothing read."""
+    from belief_lm.checkpoint.manifest import FORMAT, ManifestError, _crc_of, read_manifest
+
+    body = {"format": FORMAT, "files": files, "files_crc32": f"{_crc_of(files):08x}"}
+    (tmp_path / "manifest.json").write_text(json.dumps(body))
+    with pytest.raises(ManifestError, match=message):
+        read_manifest(tmp_path)
 
 
 @pytest.fixture(scope="module")
