@@ -168,34 +168,30 @@ def load_data_state(plan: ResumeFrom) -> dict:
     return _tensors_as_arrays(loading.load(path, trust=plan.trusted))
 
 
-def _arrays_as_tensors(value):
-    """`value` (nested dicts, lists, tuples) with every NumPy array a tensor and every NumPy
-    scalar a Python number."""
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.copy())
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {key: _arrays_as_tensors(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return _same_sequence(value, [_arrays_as_tensors(item) for item in value])
-    return value
+def _arrays_as_tensors(state):
+    """`state` with every NumPy array a tensor and every NumPy scalar a Python number."""
+
+    def as_tensor(value):
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(value.copy())
+        return value.item() if isinstance(value, np.generic) else value
+
+    return _map_leaves(state, as_tensor)
 
 
-def _same_sequence(like: list | tuple, items: list) -> list | tuple:
-    """`items` as a sequence of `like`'s type (a named tuple takes its fields)."""
-    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
-
-
-def _tensors_as_arrays(value):
+def _tensors_as_arrays(state):
     """`_arrays_as_tensors` undone (NumPy arrays, as the data pipeline's state holds them)."""
-    if isinstance(value, torch.Tensor):
-        return value.numpy()
+    return _map_leaves(state, lambda v: v.numpy() if isinstance(v, torch.Tensor) else v)
+
+
+def _map_leaves(value, leaf):
+    """`value` (nested dicts, lists, tuples, named or not) with `leaf` applied to the rest."""
     if isinstance(value, dict):
-        return {key: _tensors_as_arrays(item) for key, item in value.items()}
+        return {key: _map_leaves(item, leaf) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return _same_sequence(value, [_tensors_as_arrays(item) for item in value])
-    return value
+        items = [_map_leaves(item, leaf) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return leaf(value)
 
 
 def checkpointer(cfg: Config, engine) -> store.Checkpointer:
