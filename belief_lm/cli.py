@@ -444,6 +444,8 @@ def _verify_checkpoints(args: argparse.Namespace) -> int:
             return bad_input_exit(err)
         return exit_codes.DONE
     checksums = not args.sizes_only
+    if checksums:
+        _quiet_libraries()  # the pickles' check imports torch and DeepSpeed
     check = check_run(args.run_dir, checksums, args.workers)
     print(report(check, checksums))
     return exit_codes.DONE if check.newest_loadable else exit_codes.BAD_INPUT

@@ -78,8 +78,8 @@ def verified_resume(plan: ResumeFrom | None, cfg: Config, dims: ParallelDims) ->
         started = time.perf_counter()
         found, refused = verify_together(plan.path)
         if not found:
-            log.info("verified checkpoint %s in %.1f s", plan.path, time.perf_counter() - started)
             loading.refuse(plan.path, refused, plan.trusted)
+            log.info("verified checkpoint %s in %.1f s", plan.path, time.perf_counter() - started)
             return plan
         error = damaged(plan.path, found)
         if cfg.checkpoint.resume != "auto":
