@@ -61,7 +61,7 @@ def rank_state(layout: Layout) -> dict:
 def data_state(data) -> dict:
     """The whole run's data position (every rank holds all of it, the same), its NumPy
     arrays as tensors (`load_data_state` turns them back)."""
-    return _arrays_as_tensors(data.state_dict())
+    return arrays_as_tensors(data.state_dict())
 
 
 def verified_resume(plan: ResumeFrom | None, cfg: Config, dims: ParallelDims) -> ResumeFrom | None:
@@ -165,11 +165,12 @@ def load_data_state(plan: ResumeFrom) -> dict:
             f"checkpoint {plan.path} has no {DATA_STATE}: it was written by an earlier "
             "belief-lm whose data streams were per rank; its data position cannot be continued"
         )
-    return _tensors_as_arrays(loading.load(path, trust=plan.trusted))
+    return tensors_as_arrays(loading.load(path, trust=plan.trusted))
 
 
-def _arrays_as_tensors(state):
-    """`state` with every NumPy array a tensor and every NumPy scalar a Python number."""
+def arrays_as_tensors(state):
+    """`state` (nested dicts, lists, tuples) with every NumPy array a tensor and every NumPy
+    scalar a Python number: what a checkpoint may hold (loading.py)."""
 
     def as_tensor(value):
         if isinstance(value, np.ndarray):
@@ -179,8 +180,9 @@ def _arrays_as_tensors(state):
     return _map_leaves(state, as_tensor)
 
 
-def _tensors_as_arrays(state):
-    """`_arrays_as_tensors` undone (NumPy arrays, as the data pipeline's state holds them)."""
+def tensors_as_arrays(state):
+    """`arrays_as_tensors` undone: every tensor a NumPy array (the data pipeline's state
+    holds NumPy arrays and no tensors)."""
     return _map_leaves(state, lambda v: v.numpy() if isinstance(v, torch.Tensor) else v)
 
 

@@ -171,7 +171,7 @@ def legacy(step) -> None:
     """Make `step` what an earlier belief-lm saved: NumPy arrays in the data state and
     NumPy's own RNG state tuple in the rank state."""
     data = torch.load(step / "data_state.pt", weights_only=False)
-    torch.save(trainer_state._tensors_as_arrays(data), step / "data_state.pt")
+    torch.save(trainer_state.tensors_as_arrays(data), step / "data_state.pt")
     rank = torch.load(step / "run_state/rank00000.pt", weights_only=False)
     saved = rank["rng"]["numpy"]
     key = saved["key"].numpy().astype(np.uint32)

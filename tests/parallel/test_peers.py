@@ -34,8 +34,8 @@ def test_a_heartbeat_is_rewritten_with_the_step_and_stops(tmp_path):
 
 def test_a_rank_without_a_readable_heartbeat_is_silent(tmp_path):
     """No file, half a file, or one of another shape (a list, a time that is no number):
-    no heartbeat; the launcher's report of a failure reads past them too."""
-    from launcher.local import Failure, _report
+    no heartbeat; a peer report of another shape is none to the launcher either."""
+    from launcher.local import Failure
 
     (tmp_path / heartbeat.DIRECTORY).mkdir()
     heartbeat.path_of(tmp_path, 1).write_text("{half a fi")
@@ -46,7 +46,7 @@ def test_a_rank_without_a_readable_heartbeat_is_silent(tmp_path):
     assert beats == {0: None, 1: None, 2: None, 3: None}
     assert heartbeat.silent(beats, after_s=100) == [0, 1, 2, 3]
     (tmp_path / heartbeat.DIRECTORY / "peer_lost.x.json").write_text('["not", "a", "report"]')
-    _report(Failure(rank=0, pid=1, code=PEER_LOST), tmp_path, 0.0, 4, 60.0)
+    assert "silent" not in Failure(rank=0, pid=1, code=PEER_LOST).record(tmp_path, since=0.0)
 
 
 def test_beats_are_a_tenth_of_the_timeout_within_bounds():
