@@ -1,6 +1,7 @@
 """The `belief-lm` command.
 
-    belief-lm train  --config configs/tiny.yaml [--resume auto|never|DIR] [section.key=value ...]
+    belief-lm train  --config configs/tiny.yaml [--resume auto|never|DIR] [--trust-checkpoint]
+                     [section.key=value ...]
     belief-lm config --config configs/tiny.yaml [--world-size N] [section.key=value ...]
         print the effective config; check it for N processes (default: launch's)
     belief-lm tokenizer train --config CONFIG --output MODEL [section.key=value ...]
@@ -20,7 +21,8 @@
     belief-lm import-hf DIR --config RUN.yaml [section.key=value ...]
         a Hugging Face Llama folder as the run's weights-only step 0 (train starts from it)
     belief-lm checkpoint verify RUN_DIR [--sizes-only] [--workers N]
-        every checkpoint intact or damaged (and why); exit 0 if the newest is intact, else 2
+        every checkpoint intact, damaged or refused (and why); exit 0 if the newest is intact
+        and not refused, else 2
     belief-lm checkpoint seal STEP_DIR
         the manifest of a checkpoint an earlier belief-lm (without checksums) saved
 
@@ -65,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         "--resume", metavar="auto|never|DIR",
         help="checkpoint to continue from (sets checkpoint.resume; default auto)",
     )  # fmt: skip
+    _trust_argument(train)
     _config_arguments(train)
     help_text = "print the effective config (validates it, and checks it for a job's size)"
     sub = commands.add_parser("config", help=help_text, description=help_text)
@@ -129,8 +132,8 @@ def _checkpoint_commands(commands) -> None:
     checkpoint = commands.add_parser("checkpoint", help="checkpoint commands")
     actions = checkpoint.add_subparsers(dest="action", required=True, metavar="ACTION")
     help_text = (
-        "list every checkpoint of a run as intact or damaged (and why); exit 0 if the "
-        "newest is intact, 2 if it is damaged or there is none"
+        "list every checkpoint of a run as intact, damaged or refused (and why); exit 0 if the "
+        "newest is intact, 2 if it is damaged, refused or there is none"
     )
     sub = actions.add_parser("verify", help=help_text, description=help_text)
     sub.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or its checkpoints/)")
@@ -196,6 +199,16 @@ def _checkpoint_argument(sub: argparse.ArgumentParser) -> None:
         help="a checkpoint step directory, e.g. runs/tiny/checkpoints/step_000300, or a run "
         "directory (runs/tiny): its newest intact checkpoint",
     )  # fmt: skip
+    _trust_argument(sub)
+
+
+def _trust_argument(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--trust-checkpoint", action="store_true",
+        help="load checkpoint files holding more than a checkpoint may (an earlier belief-lm's) "
+        "with pickle, which can run code: only for checkpoints you made yourself (train: sets "
+        "checkpoint.trust)",
+    )  # fmt: skip
 
 
 def _config_arguments(sub: argparse.ArgumentParser) -> None:
@@ -222,6 +235,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.overrides = [*args.overrides, *rest]
     if getattr(args, "resume", None):
         args.overrides.append(f"checkpoint.resume={args.resume}")
+    if getattr(args, "trust_checkpoint", False):
+        args.overrides.append("checkpoint.trust=true")
     return args
 
 
@@ -338,7 +353,7 @@ def _from_checkpoint(args: argparse.Namespace) -> int:
         if args.command == "export":
             from belief_lm.export import export
 
-            output = export(args.checkpoint, args.format, args.output)
+            output = export(args.checkpoint, args.format, args.output, args.trust_checkpoint)
             logging.getLogger("belief_lm").info("exported %s to %s", args.checkpoint, output)
             return exit_codes.DONE
         from belief_lm.inference.generate import Sampling
@@ -347,7 +362,7 @@ def _from_checkpoint(args: argparse.Namespace) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         if args.max_new_tokens < 0:  # before the checkpoint is loaded
             raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-        loaded = load_model(args.checkpoint, args.device)
+        loaded = load_model(args.checkpoint, args.device, args.trust_checkpoint)
         completion = loaded.complete(
             args.prompt, args.max_new_tokens, sampling, args.seed, use_cache=not args.no_cache
         )
@@ -418,7 +433,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _verify_checkpoints(args: argparse.Namespace) -> int:
-    """`checkpoint verify` and `checkpoint seal`: torch-free (manifests and checksums)."""
+    """`checkpoint verify` and `checkpoint seal`: manifests and checksums (torch only for
+    verify's check of the files' pickles, loading.refusals)."""
     from belief_lm.checkpoint.verify import check_run, report, seal_legacy
 
     if args.action == "seal":
@@ -428,9 +444,11 @@ def _verify_checkpoints(args: argparse.Namespace) -> int:
             return bad_input_exit(err)
         return exit_codes.DONE
     checksums = not args.sizes_only
+    if checksums:
+        _quiet_libraries()  # the pickles' check imports torch and DeepSpeed
     check = check_run(args.run_dir, checksums, args.workers)
     print(report(check, checksums))
-    return exit_codes.DONE if check.newest_intact else exit_codes.BAD_INPUT
+    return exit_codes.DONE if check.newest_loadable else exit_codes.BAD_INPUT
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -441,8 +459,9 @@ def _evaluate(args: argparse.Namespace) -> int:
         # stdout carries only the JSON: libraries' prints go to stderr (the known ones nowhere)
         with contextlib.redirect_stdout(logs.quieted(sys.stderr)):
             result = evaluate(
-                args.checkpoint, args.data, args.tensor, args.batches, args.micro_batch_size
-            )
+                args.checkpoint, args.data, args.tensor, args.batches, args.micro_batch_size,
+                trust=args.trust_checkpoint,
+            )  # fmt: skip
     except ValueError as err:  # a missing or unusable checkpoint or data source
         return bad_input_exit(err)
     text = write_report(result, args.output)  # None on ranks other than 0

@@ -314,6 +314,12 @@ class CheckpointConfig(Section):
     (manifest, run.json, `latest`) at a later step once every rank has written its files.
     A stop signal and the end of training wait for it. Costs host memory for one more copy
     of each rank's checkpoint state."""
+    trust: bool = Field(False, exclude=True)
+    """Resume from a checkpoint whose files hold more than a checkpoint may (one an earlier
+    belief-lm wrote): those files are loaded with pickle, which can run any code they hold,
+    after a warning naming each. Only for checkpoints you made yourself; off, such a
+    checkpoint is refused (exit 2) naming the file (docs/checkpoints.md). Never saved with
+    the run's config (`--trust-checkpoint` or checkpoint.trust=true on each command)."""
 
 
 class WandbConfig(Section):

@@ -33,13 +33,16 @@ def evaluate(
     max_batches: int = 50,
     micro_batch_size: int | None = None,
     device: str = "auto",
+    trust: bool = False,
 ) -> dict:
-    """{'loss', 'perplexity', 'tokens', 'batches', 'step', ...}, the same on every rank."""
+    """{'loss', 'perplexity', 'tokens', 'batches', 'step', ...}, the same on every rank.
+    `trust`: see consolidate."""
     env = process_env.detect()
     torch_device = select_device(device, env.local_rank)
     init_distributed(env, torch_device)
     layout = init_model_parallel(tensor, 1)
-    ckpt = consolidate(checkpoint)  # every rank reads the files: no conversion, no collective
+    # every rank reads the files: no conversion, no collective
+    ckpt = consolidate(checkpoint, trust=trust)
     cfg = ckpt.config
     data = cfg.data
     if data_source is not None:  # a dedicated evaluation source: all of its documents

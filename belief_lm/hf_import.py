@@ -1,7 +1,9 @@
 """`belief-lm import-hf DIR --config RUN.yaml`: a Hugging Face Llama as a run's step 0.
 
 Reads a local LlamaForCausalLM folder (config.json and model.safetensors, or shards named
-by model.safetensors.index.json) and writes `<run.output_dir>/checkpoints/step_000000`, a
+by model.safetensors.index.json: safetensors only, a format of raw tensors that runs no code
+when read; a folder with pickled weights alone, `pytorch_model*.bin`, is refused, as
+loading one can run any code it holds) and writes `<run.output_dir>/checkpoints/step_000000`, a
 weights-only checkpoint (belief_lm/checkpoint/files.py): `belief-lm train` with the same
 config starts from those weights (checkpoint.resume=auto finds it, or name it), at any
 layout, with a fresh optimizer and data stream; evaluate, generate and export read it too.
@@ -112,16 +114,30 @@ def run_tokenizer(cfg: Config, folder: Path) -> tuple[Config, Tokenizer]:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """model.safetensors, or the shards model.safetensors.index.json names."""
+    """model.safetensors, or the shards model.safetensors.index.json names (ValueError if
+    they are not there, naming pickled weights it refuses to read)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index}: not a safetensors index ({err!r})") from None
+        if not all(isinstance(s, str) and s == Path(s).name for s in shards):
+            raise ValueError(f"{index}: its weight_map names files outside {folder}")
         files = [folder / shard for shard in shards]
     else:
         files = [folder / "model.safetensors"]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise ValueError(f"no weights: {', '.join(missing)} not found (safetensors only)")
+        pickled = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+        why = (
+            f"; {', '.join(pickled)} is pickled weights, which can run code when loaded: "
+            "not read (convert them to safetensors where you trust them, e.g. transformers' "
+            "save_pretrained(safe_serialization=True))"
+            if pickled
+            else " (safetensors only)"
+        )
+        raise ValueError(f"no weights: {', '.join(missing)} not found{why}")
     return files
 
 
@@ -149,13 +165,17 @@ def llama_weights(files: list[Path], cfg: Config, vocab_size: int) -> dict:
     description says; what a Llama lacks (belief_star's W^s) as a fresh model of run.seed
     initialises it."""
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from belief_lm.export.hf import from_hf_state_dict
 
     theirs: dict[str, torch.Tensor] = {}
     for file in files:
-        theirs.update(load_file(file))
+        try:
+            theirs.update(load_file(file))
+        except (OSError, SafetensorError) as err:  # a corrupt or cut-short file
+            raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
     description = describe(cfg.model, vocab_size)
     converted = from_hf_state_dict(theirs, description)  # every name and shape checked
     weights = description.weights()

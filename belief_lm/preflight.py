@@ -45,6 +45,8 @@ class ResumeFrom:
     path: Path
     info: CheckpointInfo
     other_layout: bool
+    trusted: bool = False
+    """Whether files beyond what a checkpoint may hold are loaded (checkpoint.trust)."""
 
 
 @dataclass(frozen=True)
@@ -224,8 +226,9 @@ def resume_from(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) ->
             raise damaged(path, found)
     info = read_info(path)
     check_same_run(cfg, path)
+    trusted = cfg.checkpoint.trust
     if info.weights_only:  # weights alone (an import): any layout loads them, nothing else
-        return ResumeFrom(path, info, other_layout=False)
+        return ResumeFrom(path, info, other_layout=False, trusted=trusted)
     zero = cfg.parallel.zero_stage
     moved = (info.tensor, info.pipeline, info.zero_stage) != (dims.tensor, dims.pipeline, zero)
     # ZeRO 1-3 partition the optimizer (and more) over the data-parallel ranks
@@ -237,15 +240,18 @@ def resume_from(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) ->
             f"checkpoints, which need ZeRO stage 1 or 2 on both sides "
             f"(parallel.zero_stage={cfg.parallel.zero_stage})"
         )
-    return ResumeFrom(path, info, other_layout)
+    return ResumeFrom(path, info, other_layout, trusted)
 
 
 def check_same_run(cfg: Config, path: Path) -> None:
     """The model and data sections must be the ones checkpoint `path` was trained with."""
     try:
         saved = yaml.safe_load((path / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError) as err:
+    except (OSError, ValueError, yaml.YAMLError) as err:  # ValueError: not UTF-8
         raise CheckpointError(f"checkpoint {path}: unreadable config.yaml ({err})") from None
+    sections = ("model", "data", "train")
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(s, {}), dict) for s in sections):
+        raise CheckpointError(f"checkpoint {path}: config.yaml is not a belief-lm config")
     current = cfg.model_dump(mode="json")
     for section in ("model", "data"):
         old = saved.get(section, {})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,10 +53,27 @@ class Run:
         return self.path.resolve().name
 
 
+log = logging.getLogger("belief_lm.report")
+
+
 def read_jsonl(path: Path) -> list[dict]:
+    """The rows (JSON objects with an integer step) of `path`; a line that is none (cut
+    short by a crash in the middle of a write, or not ours) is skipped with a warning."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, skipped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            row = "unreadable"
+        if isinstance(row, dict) and type(row.get("step")) is int:
+            rows.append(row)
+        elif row is not None:
+            skipped += 1
+    if skipped:
+        log.warning("%s: skipped %d line(s) that are no row (cut short or not ours)", path, skipped)
+    return rows
 
 
 def load_run(path: str | Path) -> Run:
@@ -67,8 +85,11 @@ def load_run(path: str | Path) -> Run:
     train = [r for r in rows if r.get("loss") is not None or "tokens_per_s" in r]
     if not train:
         raise ValueError(f"{path}: no training metrics (metrics.jsonl) to report")
-    config = yaml.safe_load((path / "config.yaml").read_text())
-    tokens = config["train"]["global_batch_size"] * config["model"]["seq_length"]
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text())
+        tokens = int(config["train"]["global_batch_size"] * config["model"]["seq_length"])
+    except (ValueError, TypeError, KeyError, yaml.YAMLError) as err:
+        raise ValueError(f"{path / 'config.yaml'}: not a run's config ({err!r})") from None
     restarts = [b["step"] for a, b in itertools.pairwise(train) if b["step"] <= a["step"]]
     return Run(
         path=path, train=train, val=[r for r in rows if "val_loss" in r],

@@ -214,12 +214,12 @@ def _report(failure: Failure, run_dir: Path, since: float, world: int, timeout_s
     for rank in range(world):
         try:
             beat = json.loads((run_dir / HEARTBEATS / f"rank_{rank:05d}.json").read_text())
-        except (OSError, ValueError):
+            age = now - beat["time"]
+            if rank != failure.rank and beat["started"] >= since and age > timeout_s / 2:
+                silent.append(f"rank {rank} (pid {beat['pid']} on {beat['host']}, no "
+                              f"heartbeat for {age:.0f} s)")  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError):  # none, or no heartbeat of ours
             continue
-        age = now - beat["time"]
-        if rank != failure.rank and beat["started"] >= since and age > timeout_s / 2:
-            silent.append(f"rank {rank} (pid {beat['pid']} on {beat['host']}, no heartbeat "
-                          f"for {age:.0f} s)")  # fmt: skip
     if silent:
         line += "; silent: " + ", ".join(silent)
     print(line, file=sys.stderr, flush=True)
@@ -279,9 +279,10 @@ def _peer_report(run_dir: Path, since: float) -> dict | None:
     if not reports:
         return None
     try:
-        return json.loads(max(reports, key=lambda p: p.stat().st_mtime).read_text())
+        report = json.loads(max(reports, key=lambda p: p.stat().st_mtime).read_text())
     except (OSError, ValueError):
         return None
+    return report if isinstance(report, dict) else None  # else not a report of ours
 
 
 def _die_with(parent: int):

@@ -10,6 +10,7 @@ import torch
 
 from belief_lm.cli import main
 from belief_lm.hf_import import import_hf
+from tests.checkpoint.damage import Payload
 from tests.jobs import MICRO, ROOT
 
 LLAMA = {
@@ -114,6 +115,27 @@ def test_a_config_that_does_not_fit_exits_2_naming_the_field(
     err = capsys.readouterr().err
     assert message in err and str(folder / "config.json") in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_only_safetensors_are_read(llama, small_tokenizer, tmp_path, capsys):
+    """Pickled weights (pytorch_model.bin, here with a payload) are named and refused,
+    never loaded; a corrupt safetensors file or index is exit 2 naming it."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    shutil.copyfile(llama[0] / "config.json", folder / "config.json")
+    marker = tmp_path / "marker"
+    torch.save({"payload": Payload(marker)}, folder / "pytorch_model.bin")
+    run = [f"run.output_dir={tmp_path / 'run'}", f"data.tokenizer.path={small_tokenizer.path}"]
+    assert cli_import(folder, *run) == 2
+    assert "pytorch_model.bin is pickled weights" in capsys.readouterr().err
+    (folder / "model.safetensors").write_bytes(b"\x10" + bytes(7) + b"{not a header")
+    assert cli_import(folder, *run) == 2
+    assert "model.safetensors: not a readable safetensors file" in capsys.readouterr().err
+    index = {"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert cli_import(folder, *run) == 2
+    assert "names files outside" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "run").exists()
 
 
 def test_the_tokenizer_is_the_runs_or_the_checkpoints(llama, small_tokenizer, tmp_path, capsys):

@@ -10,10 +10,11 @@ from pathlib import Path
 FORMATS = ("hf", "torch")
 
 
-def export(checkpoint: str | Path, fmt: str, output: str | Path) -> Path:
+def export(checkpoint: str | Path, fmt: str, output: str | Path, trust: bool = False) -> Path:
     """Export checkpoint directory `checkpoint` in format `fmt` ('hf': a folder, 'torch': a
     file) to `output`, which must not exist yet. Written under a temporary name and renamed
-    at the end, so `output` is never left half-written. Returns `output`."""
+    at the end, so `output` is never left half-written. Returns `output`. `trust`: see
+    consolidate."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(FORMATS)})")
     output = Path(output).expanduser()
@@ -23,7 +24,7 @@ def export(checkpoint: str | Path, fmt: str, output: str | Path) -> Path:
         raise ValueError(f"{output.parent} is not a directory")
     from belief_lm.checkpoint.consolidate import consolidate  # megatron: after the checks
 
-    consolidated = consolidate(checkpoint)
+    consolidated = consolidate(checkpoint, trust=trust)
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

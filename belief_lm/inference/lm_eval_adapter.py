@@ -7,6 +7,9 @@ outside its own package; running the module is lm-eval's command line with it re
     python -m belief_lm.inference.lm_eval_adapter --model belief-lm \\
         --model_args checkpoint=runs/tiny/checkpoints/step_000300 --tasks hellaswag
 
+(model_args `trust_checkpoint=true`: --trust-checkpoint, for a checkpoint you made yourself
+whose files hold more than a checkpoint may: see belief_lm/checkpoint/loading.py.)
+
 From Python: `import belief_lm.inference.lm_eval_adapter` and then
 `lm_eval.simple_evaluate(model="belief-lm", model_args={"checkpoint": ...}, ...)`, or
 `evaluate_tasks(checkpoint, tasks)` (what training's train.eval_tasks run).
@@ -59,10 +62,12 @@ class BeliefLMEval(TemplateLM):
         batch_size: int | str = 1,
         device: str | None = None,
         seed: int = 1234,
+        trust_checkpoint: bool | str = False,
         **unused,
     ):
         super().__init__()
-        self.loaded = load_model(checkpoint, device or "auto")
+        trust = str(trust_checkpoint).lower() in ("true", "1", "yes")  # model_args are text
+        self.loaded = load_model(checkpoint, device or "auto", trust)
         self.max_length = self.loaded.context_length
         auto = isinstance(batch_size, str) and batch_size.startswith("auto")
         self.batch_size = AUTO_BATCH_SIZE if auto else int(batch_size)

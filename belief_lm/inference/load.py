@@ -64,10 +64,10 @@ class LoadedModel:
         return Completion(text, len(new), seconds, len(new) < max_new_tokens)
 
 
-def load_model(checkpoint: str | Path, device: str = "auto") -> LoadedModel:
+def load_model(checkpoint: str | Path, device: str = "auto", trust: bool = False) -> LoadedModel:
     """Consolidate `checkpoint` (a step directory) and build its model in eval mode (fp32)
-    on `device` ('auto': the GPU if there is one)."""
-    consolidated = consolidate(checkpoint)
+    on `device` ('auto': the GPU if there is one). `trust`: see consolidate."""
+    consolidated = consolidate(checkpoint, trust=trust)
     single_process_groups()
     model = consolidated.build_model().to(select_device(device))
     return LoadedModel(model, Tokenizer(consolidated.tokenizer_path), consolidated)
