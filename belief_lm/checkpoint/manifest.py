@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from belief_lm.errors import BadInput
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 CHUNK = 16 << 20
@@ -120,7 +122,7 @@ def seal(directory: Path) -> None:
     write_manifest(directory, {p.relative_to(directory).as_posix(): file_record(p) for p in names})
 
 
-class ManifestError(ValueError):
+class ManifestError(BadInput):
     """manifest.json is missing or unreadable (the message says which)."""
 
 

@@ -17,6 +17,7 @@ import torch
 
 from belief_lm.checkpoint.consolidate import Consolidated, load_full_state
 from belief_lm.config import Config
+from belief_lm.errors import BadInput
 from belief_lm.model.gpt import BeliefLM
 
 FORMAT, VERSION = "belief-lm", 1
@@ -38,10 +39,10 @@ def export_torch(checkpoint: Consolidated, output: Path) -> None:
 
 
 def read(path: str | Path) -> dict:
-    """The exported dict (tensors on CPU); ValueError if it is not a belief-lm export."""
+    """The exported dict (tensors on CPU); BadInput if it is not a belief-lm export."""
     obj = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a belief-lm torch export")
+        raise BadInput(f"{path} is not a belief-lm torch export")
     return obj
 
 
