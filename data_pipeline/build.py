@@ -49,7 +49,7 @@ def check_data(data: DataConfig) -> None:
     a run reads (training, or validation for an evaluation-only source): metadata and the
     first rows are read, up to stream.STUCK_ROWS rows while none is usable.
 
-    Raises BadDataInput naming the key (data.sources.N.uri / text_column / ...), file and column.
+    Raises ValueError naming the key (data.sources.N.uri / text_column / ...), file and column.
     """
     for i, cfg in enumerate(data.sources):
         try:
@@ -128,7 +128,7 @@ def build_tokenizer(
 def tokenizer_sample(data: DataConfig, progress: bool = True) -> Iterator[str]:
     """The first data.tokenizer.sample_documents training documents, shared out over the
     sources by weight, each source read in its epoch-0 order (a progress bar if asked).
-    Raises BadDataInput if a source has no usable document or too many unusable rows."""
+    Raises ValueError if a source has no usable document or too many unusable rows."""
     total = data.tokenizer.sample_documents
     weights = [s.weight for s in data.sources]
     with tqdm(total=total, desc="tokenizer sample", unit="doc", disable=not progress) as bar:

@@ -69,7 +69,7 @@ class Filter:
 
 
 def parse_filter(text: str) -> Filter:
-    """'COLUMN OP VALUE' (the value is read as YAML: 3, 0.5, true, en) or a BadDataInput."""
+    """'COLUMN OP VALUE' (the value is read as YAML: 3, 0.5, true, en) or a ValueError."""
     for op in sorted(_OPERATORS, key=len, reverse=True):  # '>=' before '>'
         column, sep, value = (part.strip() for part in text.partition(op))
         if sep and column and value and not set(column) & set("=!<>"):

@@ -98,7 +98,7 @@ def train_tokenizer(
 
     A failure while reading `texts` is raised as itself (sentencepiece would turn it into
     a bare RuntimeError); one of sentencepiece's own (e.g. too little text for the
-    vocabulary) becomes a BadDataInput naming it."""
+    vocabulary) becomes a ValueError naming it."""
     failures: list[Exception] = []
 
     def pieces() -> Iterator[str]:
