@@ -212,8 +212,8 @@ def template_functions(*names: str) -> str:
 def test_the_job_script_restarts_what_launch_local_restarts():
     """The template's restartable and launch local decide alike, from the same codes: a
     failed step restarts unless it ended done, on bad input, on loss spikes or stopped."""
-    ends = [*exit_codes.NOT_RESTARTED, exit_codes.FAILED, exit_codes.DATA_FAULT,
-            exit_codes.PEER_LOST, 134, 137, 143]  # fmt: skip
+    others = [exit_codes.FAILED, exit_codes.DATA_FAULT, exit_codes.PEER_LOST, 134, 137, 143]
+    ends = [*exit_codes.NOT_RESTARTED, *others, 7]  # 7: a part of 75, not 75
     script = f"""set -euo pipefail
 {exit_code_settings()}
 {template_functions("restartable")}
