@@ -23,11 +23,12 @@ from pydantic import (
     model_validator,
 )
 
+from belief_lm.errors import BadInput
 from belief_lm.variants import VARIANTS, AttentionVariant, Variant
 from data_pipeline.config import DataConfig, PositiveInt, Section
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput):
     """A configuration problem, with the offending key in the message."""
 
 
@@ -146,7 +147,7 @@ def padded_vocab_size(tokenizer_vocab: int, model: ModelConfig, tensor_parallel:
     checkpoint could not move to another TP size."""
     if model.vocab_size is not None:
         if model.vocab_size < tokenizer_vocab:
-            raise ValueError(
+            raise ConfigError(
                 f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's "
                 f"vocabulary ({tokenizer_vocab})"
             )
@@ -155,7 +156,7 @@ def padded_vocab_size(tokenizer_vocab: int, model: ModelConfig, tensor_parallel:
         multiple = model.make_vocab_size_divisible_by
         size = -(-tokenizer_vocab // multiple) * multiple
     if size % tensor_parallel:
-        raise ValueError(
+        raise ConfigError(
             f"the vocabulary ({size}) is not divisible by the tensor-parallel size "
             f"({tensor_parallel}); set model.vocab_size or model.make_vocab_size_divisible_by"
         )

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from belief_lm.checkpoint.consolidate import consolidate, load_full_state
+from belief_lm.errors import BadInput
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.parallel import env as process_env
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
@@ -58,7 +59,7 @@ def evaluate(
     load_full_state(model, ckpt.state_dict)
     loss, tokens = validation_loss(model.to(torch_device), batches)
     if tokens == 0:
-        raise ValueError(
+        raise BadInput(
             f"no validation data for {checkpoint} (data: {[s.uri for s in data.sources]})"
         )
     return {

@@ -30,6 +30,7 @@ from pathlib import Path
 from belief_lm.checkpoint.files import CheckpointInfo, complete_checkpoints, step_name
 from belief_lm.config import Config, ModelConfig, padded_vocab_size
 from belief_lm.description import describe
+from belief_lm.errors import BadInput
 from belief_lm.preflight import checkpoint_root
 from data_pipeline.tokenizer import Tokenizer
 
@@ -64,14 +65,14 @@ def shape_fields(model: ModelConfig, vocab_size: int) -> list[tuple[str, object,
 
 def read_config(folder: Path) -> dict:
     """config.json of a Llama checkpoint (transformers 4 and 5 spellings of RoPE's settings
-    flattened), or ValueError naming what is wrong."""
+    flattened), or BadInput naming what is wrong."""
     path = folder / "config.json"
     try:
         hf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a readable config.json ({err})") from None
+        raise BadInput(f"{path}: not a readable config.json ({err})") from None
     if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in hf.get("architectures", []):
-        raise ValueError(
+        raise BadInput(
             f"{path}: model_type {hf.get('model_type')!r} is not a Llama (LlamaForCausalLM)"
         )
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
@@ -81,7 +82,7 @@ def read_config(folder: Path) -> dict:
 
 
 def check_model(hf: dict, model: ModelConfig, vocab_size: int, path: Path) -> None:
-    """ValueError listing every field where the run's model is not the checkpoint's."""
+    """BadInput listing every field where the run's model is not the checkpoint's."""
     differ = [
         f"model.{field} is {getattr(model, field)!r}, a Llama needs {value!r}"
         for field, value in LLAMA_ARCHITECTURE.items()
@@ -92,7 +93,7 @@ def check_model(hf: dict, model: ModelConfig, vocab_size: int, path: Path) -> No
         if theirs is None or theirs != value:
             differ.append(f"{key} is {theirs!r}, {ours} is {value!r}")
     if differ:
-        raise ValueError(f"{path / 'config.json'} does not fit the run: " + "; ".join(differ))
+        raise BadInput(f"{path / 'config.json'} does not fit the run: " + "; ".join(differ))
 
 
 def run_tokenizer(cfg: Config, folder: Path) -> tuple[Config, Tokenizer]:
@@ -100,7 +101,7 @@ def run_tokenizer(cfg: Config, folder: Path) -> tuple[Config, Tokenizer]:
     else DIR/tokenizer.model (then named in the config returned)."""
     if cfg.data.tokenizer.path is None:
         if not (folder / "tokenizer.model").is_file():
-            raise ValueError(
+            raise BadInput(
                 f"data.tokenizer.path is not set and {folder} has no tokenizer.model: a Hugging "
                 "Face checkpoint's ids are its own tokenizer's; set data.tokenizer.path to "
                 "that sentencepiece model (one trained by belief-lm would not fit the embedding)"
@@ -109,21 +110,21 @@ def run_tokenizer(cfg: Config, folder: Path) -> tuple[Config, Tokenizer]:
         cfg.data.tokenizer.path = str(folder / "tokenizer.model")
     path = Path(cfg.data.tokenizer.path).expanduser()
     if not path.is_file():
-        raise ValueError(f"data.tokenizer.path: no such file: {path}")
+        raise BadInput(f"data.tokenizer.path: no such file: {path}")
     return cfg, Tokenizer(path)
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """model.safetensors, or the shards model.safetensors.index.json names (ValueError if
+    """model.safetensors, or the shards model.safetensors.index.json names (BadInput if
     they are not there, naming pickled weights it refuses to read)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"{index}: not a safetensors index ({err!r})") from None
+            raise BadInput(f"{index}: not a safetensors index ({err!r})") from None
         if not all(isinstance(s, str) and s == Path(s).name for s in shards):
-            raise ValueError(f"{index}: its weight_map names files outside {folder}")
+            raise BadInput(f"{index}: its weight_map names files outside {folder}")
         files = [folder / shard for shard in shards]
     else:
         files = [folder / "model.safetensors"]
@@ -137,13 +138,13 @@ def weight_files(folder: Path) -> list[Path]:
             if pickled
             else " (safetensors only)"
         )
-        raise ValueError(f"no weights: {', '.join(missing)} not found{why}")
+        raise BadInput(f"no weights: {', '.join(missing)} not found{why}")
     return files
 
 
 def import_hf(folder: str | Path, cfg: Config) -> Path:
     """Write the step-0 checkpoint of run `cfg` from Llama checkpoint `folder`; returns its
-    path. ValueError (nothing written) if anything does not fit."""
+    path. BadInput (nothing written) if anything does not fit."""
     folder = Path(folder).expanduser()
     hf = read_config(folder)
     cfg, tokenizer = run_tokenizer(cfg, folder)
@@ -151,7 +152,7 @@ def import_hf(folder: str | Path, cfg: Config) -> Path:
     check_model(hf, cfg.model, vocab_size, folder)
     root = checkpoint_root(cfg)
     if complete_checkpoints(root) or (root / step_name(0)).exists():
-        raise ValueError(f"{root} already holds checkpoints: import into a new run.output_dir")
+        raise BadInput(f"{root} already holds checkpoints: import into a new run.output_dir")
     weights = llama_weights(weight_files(folder), cfg, vocab_size)
     info = CheckpointInfo(0, 0, 1, 1, 1, 0, vocab_size, weights_only=True)
     extra = {"config.yaml": cfg.to_yaml().encode(), "tokenizer.model": tokenizer.path.read_bytes()}
@@ -175,13 +176,13 @@ def llama_weights(files: list[Path], cfg: Config, vocab_size: int) -> dict:
         try:
             theirs.update(load_file(file))
         except (OSError, SafetensorError) as err:  # a corrupt or cut-short file
-            raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
+            raise BadInput(f"{file}: not a readable safetensors file ({err})") from None
     description = describe(cfg.model, vocab_size)
     converted = from_hf_state_dict(theirs, description)  # every name and shape checked
     weights = description.weights()
     missing = [w.name for w in weights if w.in_llama and w.name not in converted]
     if missing:
-        raise ValueError(
+        raise BadInput(
             f"the checkpoint's tensors do not fit the run: missing {', '.join(missing[:5])}"
         )
     fresh = {}

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from data_pipeline.config import DataConfig, SourceConfig
+from data_pipeline.errors import BadDataInput
 from data_pipeline.failures import DataFault
 from data_pipeline.loader import SINGLE, Collective, ReaderSlots, TrainData
 from data_pipeline.prepared import PreparedSource
@@ -55,11 +56,11 @@ def check_data(data: DataConfig) -> None:
             source = open_source(cfg)
             source.check()
         except SourceError as err:
-            raise ValueError(f"data.sources.{i}.{err}") from None
+            raise BadDataInput(f"data.sources.{i}.{err}") from None
         if isinstance(source, Source):
             problem = _no_document(source, data)
             if problem:
-                raise ValueError(f"data.sources.{i}.uri: {problem}")
+                raise BadDataInput(f"data.sources.{i}.uri: {problem}")
 
 
 def _no_document(source: Source, data: DataConfig) -> str | None:
@@ -105,10 +106,10 @@ def build_tokenizer(
     if path is not None:
         path = Path(path).expanduser()
         if not path.is_file():
-            raise ValueError(f"data.tokenizer.path: no such file: {path}")
+            raise BadDataInput(f"data.tokenizer.path: no such file: {path}")
         tokenizer = Tokenizer(path)
         if trained_with is not None and tokenizer.sha256 != Tokenizer(trained_with).sha256:
-            raise ValueError(
+            raise BadDataInput(
                 f"data.tokenizer.path: {path} is not the tokenizer the checkpoint was trained "
                 f"with ({trained_with}): the same ids would stand for other pieces"
             )
@@ -134,7 +135,7 @@ def tokenizer_sample(data: DataConfig, progress: bool = True) -> Iterator[str]:
         for i, (cfg, weight) in enumerate(zip(data.sources, weights, strict=True)):
             source = open_source(cfg)
             if isinstance(source, PreparedSource):
-                raise ValueError(f"{cfg.uri}: prepared data has no text to train a tokenizer on")
+                raise BadDataInput(f"{cfg.uri}: prepared data has no text to train a tokenizer on")
             settings = _settings(data, 1, "train", readers=1)
             units = source.units()
             reader = DocumentReader(source, settings)
@@ -146,7 +147,7 @@ def tokenizer_sample(data: DataConfig, progress: bool = True) -> Iterator[str]:
                     bar.update()
                     yield doc.text
             except DataFault as err:
-                raise ValueError(f"data.sources.{i}: {err}") from None
+                raise BadDataInput(f"data.sources.{i}: {err}") from None
             problem = skip_problem(  # the whole source, if the sample took all of it
                 cfg.uri, reader.counts, data.max_skipped_fraction, data.skip_check_min_rows,
                 whole=taken < wanted,
@@ -157,7 +158,7 @@ def tokenizer_sample(data: DataConfig, progress: bool = True) -> Iterator[str]:
                     f"({_describe(reader.counts)})"
                 )
             if problem:
-                raise ValueError(f"data.sources.{i}: {problem}")
+                raise BadDataInput(f"data.sources.{i}: {problem}")
 
 
 def build_train_data(

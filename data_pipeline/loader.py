@@ -39,6 +39,7 @@ import fsspec.asyn
 import numpy as np
 import torch
 
+from data_pipeline.errors import BadDataInput
 from data_pipeline.failures import DataFault
 from data_pipeline.schedule import FIELDS, Schedule
 from data_pipeline.sources import Source
@@ -353,13 +354,13 @@ class TrainData:
         collective: Collective = SINGLE,
     ):
         if slots.readers % slots.dp_size or slots.global_batch % slots.readers:
-            raise ValueError(
+            raise BadDataInput(
                 f"{slots.readers} readers cannot serve {slots.dp_size} data-parallel ranks "
                 f"and a global batch of {slots.global_batch}"
             )
         for source, source_units in zip(sources, units, strict=True):
             if not source_units:
-                raise ValueError(f"{source.cfg.uri}: no {settings.split} data to read")
+                raise BadDataInput(f"{source.cfg.uri}: no {settings.split} data to read")
         self.sources, self.units, self.weights = list(sources), list(units), list(weights)
         self.tokenizer, self.settings, self.slots = tokenizer, settings, slots
         self.micro, self.device, self.collective = micro_batch_size, device, collective
@@ -583,7 +584,7 @@ class TrainData:
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state saved at any layout of the same data."""
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(
+            raise BadDataInput(
                 "the data state was written by an earlier belief-lm (its readers had fixed "
                 "shares of each epoch); its position cannot be continued by this version"
             )
@@ -596,13 +597,13 @@ class TrainData:
             saved = {**saved, "cuts": self.layout["cuts"]}  # line starts: the same cuts
         for key, value in self.layout.items():
             if key == "cuts" and saved.get(key) != value:
-                raise ValueError(
+                raise BadDataInput(
                     "data state was saved when the sources' files were cut into other units "
                     "(by a belief-lm that cut line files at fixed bytes, not at line starts): "
                     "the stream cannot continue exactly"
                 )
             if saved.get(key) != value:
-                raise ValueError(
+                raise BadDataInput(
                     f"data state was saved with {key}={saved.get(key)!r}, this run has "
                     f"{key}={value!r}: the stream cannot continue exactly"
                 )

@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data_pipeline.documents import split_of
+from data_pipeline.errors import BadDataInput
 from data_pipeline.reading import Unit, batched
 from data_pipeline.sources import Source, SourceError
 from data_pipeline.stream import READ_BATCH, DocumentReader, Position, StreamSettings, skip_problem
@@ -98,7 +99,7 @@ def prepare(
             write_oldest()
     problem = skip_problem(source.cfg.uri, reader.counts, max_skipped_fraction, 0, whole=True)
     if problem:
-        raise ValueError(problem)
+        raise BadDataInput(problem)
     for split, builder in builders.items():
         builder.finalize(str(output / f"{split}.idx"))
     shutil.copyfile(tokenizer.path, output / "tokenizer.model")
@@ -158,7 +159,7 @@ class PreparedSource:
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
         if self.meta["tokenizer_sha256"] != tokenizer.sha256:
-            raise ValueError(
+            raise BadDataInput(
                 f"{self.cfg.uri} was tokenized with {self.dir / 'tokenizer.model'}, not with "
                 f"{tokenizer.path}: set data.tokenizer.path to the same model"
             )

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from data_pipeline.documents import RowParser, parse_filter
 from data_pipeline.embedded import embedded_documents
+from data_pipeline.errors import BadDataInput
 from data_pipeline.failures import failure_kind, retry
 from data_pipeline.reading import (
     COMPRESSIONS,
@@ -58,7 +59,7 @@ CHECKED_LINES = 100
 _TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 
 
-class SourceError(ValueError):
+class SourceError(BadDataInput):
     """A source that cannot be used; `key` is the SourceConfig field at fault."""
 
     def __init__(self, key: str, message: str):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from belief_lm.checkpoint import manifest
+from belief_lm.errors import BadInput
 
 log = logging.getLogger("belief_lm.checkpoint")
 
@@ -52,7 +53,7 @@ class CheckpointInfo:
     """Only the model's weights (no optimizer, RNG or data state): an imported model."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     """A checkpoint that is missing, incomplete, corrupt or incompatible (named)."""
 
 
@@ -133,7 +134,7 @@ def damaged(path: Path, found: list[str]) -> CheckpointError:
     return CheckpointError(f"checkpoint {path} is damaged: {'; '.join(found)}")
 
 
-class LatestError(ValueError):
+class LatestError(BadInput):
     """`latest` exists but does not name a checkpoint (the message says why)."""
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
+from belief_lm.errors import BadInput
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 CHUNK = 16 << 20
@@ -120,7 +122,7 @@ def seal(directory: Path) -> None:
     write_manifest(directory, {p.relative_to(directory).as_posix(): file_record(p) for p in names})
 
 
-class ManifestError(ValueError):
+class ManifestError(BadInput):
     """manifest.json is missing or unreadable (the message says which)."""
 
 
@@ -147,12 +149,12 @@ def read_manifest(directory: Path) -> dict[str, FileRecord]:
 
 
 def _check_entry(name: str, record: FileRecord) -> None:
-    """ValueError unless `name` is a path inside the checkpoint and `record` a size."""
+    """BadInput unless `name` is a path inside the checkpoint and `record` a size."""
     parts = PurePosixPath(name).parts
     if not parts or parts[0] == "/" or ".." in parts or "\\" in name:
-        raise ValueError(f"it lists {name!r}, not a file inside the checkpoint")
+        raise BadInput(f"it lists {name!r}, not a file inside the checkpoint")
     if type(record.size) is not int or record.size < 0:
-        raise ValueError(f"it gives {name} the size {record.size!r}")
+        raise BadInput(f"it gives {name} the size {record.size!r}")
 
 
 def _crc_of(files: dict) -> int:

@@ -7,6 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
+from belief_lm.errors import BadInput
+
 FORMATS = ("hf", "torch")
 
 
@@ -16,12 +18,12 @@ def export(checkpoint: str | Path, fmt: str, output: str | Path, trust: bool = F
     at the end, so `output` is never left half-written. Returns `output`. `trust`: see
     consolidate."""
     if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(FORMATS)})")
+        raise BadInput(f"unknown export format {fmt!r} (known: {', '.join(FORMATS)})")
     output = Path(output).expanduser()
     if output.exists():
-        raise ValueError(f"{output} already exists: export to a new path")
+        raise BadInput(f"{output} already exists: export to a new path")
     if not output.parent.is_dir():
-        raise ValueError(f"{output.parent} is not a directory")
+        raise BadInput(f"{output.parent} is not a directory")
     from belief_lm.checkpoint.consolidate import consolidate  # megatron: after the checks
 
     consolidated = consolidate(checkpoint, trust=trust)

@@ -20,6 +20,7 @@ import torch
 from belief_lm.checkpoint import loading
 from belief_lm.checkpoint.consolidate import Consolidated, load_full_state
 from belief_lm.config import Config
+from belief_lm.errors import BadInput
 from belief_lm.model.gpt import BeliefLM
 
 FORMAT, VERSION = "belief-lm", 1
@@ -41,10 +42,10 @@ def export_torch(checkpoint: Consolidated, output: Path) -> None:
 
 
 def read(path: str | Path) -> dict:
-    """The exported dict (tensors on CPU); ValueError if it is not a belief-lm export."""
+    """The exported dict (tensors on CPU); BadInput if it is not a belief-lm export."""
     obj = loading.load(path, "cpu")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a belief-lm torch export")
+        raise BadInput(f"{path} is not a belief-lm torch export")
     return obj
 
 

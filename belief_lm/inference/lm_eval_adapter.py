@@ -30,6 +30,8 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from belief_lm.errors import BadInput
+
 try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
@@ -179,7 +181,7 @@ _TaskYaml.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 def resolve_tasks(tasks: list[str]) -> tuple[list[str], TaskManager]:
     """lm-eval's names for `tasks` (task names, or paths of local task YAML files, whose
-    folders join lm-eval's search path) and a TaskManager that finds them. ValueError
+    folders join lm-eval's search path) and a TaskManager that finds them. BadInput
     naming an unknown task or an unreadable task file."""
     names, folders = [], []
     for task in tasks:
@@ -189,16 +191,16 @@ def resolve_tasks(tasks: list[str]) -> tuple[list[str], TaskManager]:
         try:
             config = yaml.load(Path(task).read_text(), _TaskYaml)  # a SafeLoader
         except (OSError, yaml.YAMLError) as err:
-            raise ValueError(f"task file {task}: {err}") from None
+            raise BadInput(f"task file {task}: {err}") from None
         if not isinstance(config, dict) or not isinstance(config.get("task"), str):
-            raise ValueError(f"task file {task} names no task (its `task:` key)")
+            raise BadInput(f"task file {task} names no task (its `task:` key)")
         names.append(config["task"])
         folders.append(str(Path(task).resolve().parent))
     # lm-eval's own tasks are indexed (seconds) only when a name asks for them
     manager = TaskManager(include_path=folders or None, include_defaults=len(folders) < len(tasks))
     unknown = [name for name in names if not manager.match_tasks([name])]
     if unknown:
-        raise ValueError(f"lm-eval knows no task {', '.join(map(repr, unknown))}")
+        raise BadInput(f"lm-eval knows no task {', '.join(map(repr, unknown))}")
     return names, manager
 
 
