@@ -213,7 +213,7 @@ class SpikeConfig(Section):
 
 
 class TrainConfig(Section):
-    """Optimisation: AdamW, warmup + cosine, clipping, accumulation."""
+    """Optimisation: AdamW, the learning-rate schedule, clipping, accumulation, the loss."""
 
     max_steps: PositiveInt = 100
     """Optimizer steps to run."""
@@ -227,11 +227,25 @@ class TrainConfig(Section):
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate."""
     min_lr: float = Field(1e-4, ge=0)
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay (cosine and wsd)."""
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """After the warmup: cosine, from lr down to min_lr at decay_steps; wsd
+    (warmup-stable-decay), lr held, then decayed to min_lr at decay_steps over the last
+    wsd_decay_steps (or wsd_decay_fraction) of them, in the shape wsd_decay_shape; constant,
+    lr held to the end. Then min_lr (cosine, wsd) until max_steps."""
     warmup_steps: int = Field(10, ge=0)
     """Linear warmup steps."""
     decay_steps: PositiveInt | None = None
-    """Step at which the cosine reaches min_lr; None: max_steps."""
+    """Step at which the decay reaches min_lr (cosine, wsd); None: max_steps."""
+    wsd_decay_steps: PositiveInt | None = None
+    """wsd: steps of the decay, ending at decay_steps (Megatron's lr_wsd_decay_iters);
+    None: wsd_decay_fraction of decay_steps."""
+    wsd_decay_fraction: float | None = Field(None, gt=0, le=1)
+    """wsd: the decay's share of the steps up to decay_steps (OLMo-core's decay_fraction),
+    instead of wsd_decay_steps; None with neither set: 0.2."""
+    wsd_decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"
+    """wsd: how the decay goes from lr to min_lr, with r its share done: linear (1 - r),
+    cosine ((1 + cos(pi r)) / 2) or 1-sqrt (1 - sqrt(r))."""
     weight_decay: float = Field(0.1, ge=0)
     """AdamW weight decay, applied to weights of two or more dimensions only."""
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -286,6 +300,7 @@ class TrainConfig(Section):
     def _consistent(self) -> TrainConfig:
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        self._check_schedule()
         # with global_batch_tokens the batch is derived, and checked, by Config
         if self.global_batch_tokens is None and self.global_batch_size % self.micro_batch_size:
             raise ValueError(
@@ -293,6 +308,40 @@ class TrainConfig(Section):
                 f"micro_batch_size ({self.micro_batch_size})"
             )
         return self
+
+    def _check_schedule(self) -> None:
+        wsd = {"wsd_decay_steps": self.wsd_decay_steps,
+               "wsd_decay_fraction": self.wsd_decay_fraction}  # fmt: skip
+        given = [name for name, value in wsd.items() if value is not None]
+        if self.lr_schedule != "wsd" and given:
+            raise ValueError(f"{given[0]} applies to lr_schedule=wsd, not {self.lr_schedule}")
+        if len(given) > 1:
+            raise ValueError("wsd_decay_steps and wsd_decay_fraction both set; set one of them")
+        if self.lr_schedule == "wsd" and self.decay_start < self.warmup_steps:
+            what = given[0] if given else "wsd_decay_fraction (default 0.2)"
+            raise ValueError(
+                f"{what}: the decay ({self.decay_end - self.decay_start} steps, ending at step "
+                f"{self.decay_end}) would start before the warmup ends (warmup_steps="
+                f"{self.warmup_steps})"
+            )
+
+    @property
+    def decay_end(self) -> int:
+        """The step at which the learning rate reaches min_lr (cosine, wsd), after warmup."""
+        return max(self.decay_steps or self.max_steps, self.warmup_steps + 1)
+
+    @property
+    def decay_start(self) -> int:
+        """The step at which the decay begins: the warmup's end (cosine), the stable phase's
+        end (wsd); decay_end for a constant rate (which never decays)."""
+        if self.lr_schedule == "cosine":
+            return self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.decay_end
+        length = self.wsd_decay_steps
+        if length is None:
+            length = max(1, round((self.wsd_decay_fraction or 0.2) * self.decay_end))
+        return self.decay_end - length
 
 
 class CheckpointConfig(Section):
