@@ -267,6 +267,11 @@ class TrainConfig(Section):
     layer's attention core, FamilyCoreAttention: softmax and the belief projections, as
     Megatron's recompute_granularity=selective); full (each whole decoder layer). true and
     false, from older configs, mean full and none."""
+    z_loss: float = Field(0.0, ge=0)
+    """Coefficient of the z-loss added to the training objective: z_loss x the mean, over
+    the trained tokens, of log(sum of exp(logits))^2 over the whole vocabulary (PaLM,
+    OLMo); it keeps the output logits from drifting. Logged as `z_loss` beside the loss
+    (which stays the cross entropy). 0: none. E.g. 1e-4."""
     loss_chunk_tokens: int = Field(0, ge=0)
     """0: the loss from the whole micro-batch's logits, whose fp32 softmax (4 bytes per
     token and vocabulary row) is kept for backward; N: the output GEMM and the cross

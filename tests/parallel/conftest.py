@@ -60,7 +60,7 @@ def load_run(out_dir: Path, variant: str, zero: int) -> dict:
     files = sorted(out_dir.glob(f"{variant}-zero{zero}-rank*.pt"))
     assert files, f"no results for {variant} in {out_dir}"
     records = [torch.load(f, weights_only=False) for f in files]
-    merged = {"losses": records[0]["losses"], "grad_norms": records[0]["grad_norms"]}
+    merged = {key: records[0][key] for key in ("losses", "grad_norms", "z_losses")}
     merged.update(grads=[], params={})
     for step in range(len(records[0]["grads"])):
         merged["grads"].append({k: v for r in records for k, v in r["grads"][step].items()})

@@ -9,7 +9,8 @@ a few steps with train_step, on data that depends only on (step, global sequence
 so every layout sees the same global batch. Records on every rank: the global-batch loss
 of each step, the full gradient of every parameter just before each optimizer step
 (ZeRO fragments and TP shards gathered, pipeline names mapped to BeliefLM's), and the full
-parameters at the end. Writes OUT_DIR/<variant>-zero<stage>-rank<r>.pt.
+parameters at the end, and each step's z-loss when train.z_loss is set. Writes
+OUT_DIR/<variant>-zero<stage>-rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -122,10 +123,12 @@ def run(
         return take_step(*args, **kwargs)
 
     engine._take_model_step = capture_then_step
-    losses, norms = [], []
+    losses, norms, z_losses = [], [], []
     for _ in range(first, save_at or steps):
         losses.append(trainee.global_mean(trainee.train_step(data)))
         norms.append(float(engine.get_global_grad_norm()))
+        if "z_loss" in trainee.reported:
+            z_losses.append(trainee.global_mean(trainee.reported["z_loss"]))
     if save_at:
         tokenizer = Path(out_dir) / "tokenizer.model"  # the checkpoint copies it; any bytes do
         tokenizer.write_bytes(b"synthetic data: no tokenizer")
@@ -147,6 +150,7 @@ def run(
         {
             "losses": losses,
             "grad_norms": norms,
+            "z_losses": z_losses,
             "grads": grads_per_step,
             "params": params,
             "logits": logits,
