@@ -58,6 +58,11 @@ class ModelConfig(Section):
     """Pre-norm type."""
     norm_epsilon: float = Field(1e-5, gt=0)
     """Epsilon of the norms."""
+    qk_norm: bool = False
+    """RMSNorm of each head's queries and keys before RoPE (and before any variant's own
+    use of them, Attention-BN's recentring included), one weight of head_dim shared by the
+    heads, for queries and for keys (Qwen3's q_norm / k_norm; megatron's qk_layernorm,
+    but RMSNorm whatever `normalization` is). Keeps attention logits bounded."""
     activation: Literal["gelu", "swiglu"] = "gelu"
     """MLP activation; swiglu is a gated linear unit with SiLU."""
     position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"

@@ -39,7 +39,12 @@ from torch import Tensor
 from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, rotary_angles
 from belief_lm.compat import ColumnLinear, RowLinear
 from belief_lm.config import ModelConfig
-from belief_lm.model.attention_layer import DECODING, BeliefStarProjection, core_attention_spec
+from belief_lm.model.attention_layer import (
+    DECODING,
+    BeliefStarProjection,
+    HeadNorm,
+    core_attention_spec,
+)
 from belief_lm.model.loss import LossTerms, chunked_lm_loss, lm_loss
 from belief_lm.runtime import derived_seed
 
@@ -94,6 +99,10 @@ def decoder_layer_spec(cfg: ModelConfig, recompute: str = "none") -> ModuleSpec:
     if cfg.variant.extra_projection:
         fused = cfg.fused_output_projection
         attention.linear_proj = ModuleSpec(module=BeliefStarProjection, params={"fused": fused})
+    if cfg.qk_norm:  # megatron's own slots (IdentityOp otherwise), applied before RoPE;
+        # TransformerConfig.qk_layernorm stays False: it only picks these in megatron's
+        # specs and sums their gradients in finalize_model_grads, which HeadNorm does itself
+        attention.q_layernorm = attention.k_layernorm = HeadNorm
     return spec
 
 
