@@ -1,16 +1,20 @@
-"""`belief-lm import-hf DIR --config RUN.yaml`: a Hugging Face Llama as a run's step 0.
+"""`belief-lm import-hf DIR --config RUN.yaml`: a Hugging Face Llama (or Qwen3) as a run's
+step 0.
 
-Reads a local LlamaForCausalLM folder (config.json and model.safetensors, or shards named
-by model.safetensors.index.json: safetensors only, a format of raw tensors that runs no code
-when read; a folder with pickled weights alone, `pytorch_model*.bin`, is refused, as
-loading one can run any code it holds) and writes `<run.output_dir>/checkpoints/step_000000`, a
-weights-only checkpoint (belief_lm/checkpoint/files.py): `belief-lm train` with the same
-config starts from those weights (checkpoint.resume=auto finds it, or name it), at any
-layout, with a fresh optimizer and data stream; evaluate, generate and export read it too.
+Reads a local LlamaForCausalLM or Qwen3ForCausalLM folder (config.json and
+model.safetensors, or shards named by model.safetensors.index.json: safetensors only, a
+format of raw tensors that runs no code when read; a folder with pickled weights alone,
+`pytorch_model*.bin`, is refused, as loading one can run any code it holds) and writes
+`<run.output_dir>/checkpoints/step_000000`, a weights-only checkpoint
+(belief_lm/checkpoint/files.py): `belief-lm train` with the same config starts from those
+weights (checkpoint.resume=auto finds it, or name it), at any layout, with a fresh
+optimizer and data stream; evaluate, generate and export read it too.
 
 Checked before any work, each refusal naming the field: the run's model must be a Llama
 (RMSNorm, SwiGLU, RoPE, no biases) of the checkpoint's shape (layers, width, heads, KV
-heads, MLP width, vocabulary, RoPE theta, norm epsilon, tied embeddings). The tokenizer:
+heads, MLP width, vocabulary, RoPE theta, norm epsilon, tied embeddings). A Qwen3 is a
+Llama with QK-norm (q_norm / k_norm per head, before RoPE): the run needs model.qk_norm,
+and a head_dim of hidden_size / num_attention_heads; no sliding window. The tokenizer:
 a Llama's ids come from its own tokenizer, not from one belief-lm would train, so the run
 must name it (data.tokenizer.path), or DIR must hold its sentencepiece `tokenizer.model`,
 which the written config then names (give `train` the same data.tokenizer.path).
@@ -19,7 +23,7 @@ Weights are fp32 under BeliefLM's names (the model's description, belief_lm.desc
 read the other way than export/hf.py reads it). Any attention
 variant may be chosen: softmax computes what the Llama computes; the others start from its
 weights (belief_star's W^s, which a Llama lacks, is initialised as a fresh model's, from
-run.seed).
+run.seed; so are the QK-norms of a run with model.qk_norm from a Llama).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ LLAMA_ARCHITECTURE = {
     "bias": False,
 }
 """ModelConfig fields a Llama fixes."""
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""The model types import-hf reads (config.json's model_type) and their classes."""
 
 
 def shape_fields(model: ModelConfig, vocab_size: int) -> list[tuple[str, object, str, object]]:
@@ -64,17 +70,23 @@ def shape_fields(model: ModelConfig, vocab_size: int) -> list[tuple[str, object,
 
 
 def read_config(folder: Path) -> dict:
-    """config.json of a Llama checkpoint (transformers 4 and 5 spellings of RoPE's settings
-    flattened), or BadInput naming what is wrong."""
+    """config.json of a Llama or Qwen3 checkpoint (transformers 4 and 5 spellings of RoPE's
+    settings flattened; `model_type` set), or BadInput naming what is wrong."""
     path = folder / "config.json"
     try:
         hf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise BadInput(f"{path}: not a readable config.json ({err})") from None
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in hf.get("architectures", []):
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        classes = hf.get("architectures") or []
+        kind = next((k for k, c in ARCHITECTURES.items() if c in classes), None)
+    if kind is None:
         raise BadInput(
-            f"{path}: model_type {hf.get('model_type')!r} is not a Llama (LlamaForCausalLM)"
+            f"{path}: model_type {hf.get('model_type')!r} is not a Llama (LlamaForCausalLM) "
+            "or a Qwen3 (Qwen3ForCausalLM)"
         )
+    hf["model_type"] = kind
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     hf.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
     hf["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
@@ -88,6 +100,13 @@ def check_model(hf: dict, model: ModelConfig, vocab_size: int, path: Path) -> No
         for field, value in LLAMA_ARCHITECTURE.items()
         if getattr(model, field) != value
     ]
+    if hf["model_type"] == "qwen3":
+        if not model.qk_norm:
+            differ.append("model.qk_norm is False, a Qwen3 needs True (its q_norm, k_norm)")
+        if hf.get("use_sliding_window") or any(
+            kind != "full_attention" for kind in hf.get("layer_types") or []
+        ):
+            differ.append("use_sliding_window: belief-lm attends to the whole context")
     for key, default, ours, value in shape_fields(model, vocab_size):
         theirs = hf.get(key, default)
         if theirs is None or theirs != value:

@@ -62,6 +62,7 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer: Tokenizer) -> dict
         "max_position_embeddings": model.seq_length,
         "normalization": model.normalization,
         "norm_epsilon": model.norm_epsilon,
+        "qk_norm": model.qk_norm,
         "activation": model.activation,
         "position_embedding": model.position_embedding,
         "rotary_base": model.rotary_base,

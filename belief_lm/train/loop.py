@@ -334,6 +334,8 @@ class Trainer:
         scalars = self.meter.scalars(
             self.step, mean, self.lr, None if norm is None else float(norm), self.data_wait_s
         )
+        for name, value in self.engine.reported.items():  # z_loss (collective)
+            scalars[name] = self.engine.global_mean(value)
         scalars.update(self.data.stats())  # data health, summed over the ranks
         if dist.get_world_size() > 1:  # a straggler shows in the spread (one all-gather)
             scalars.update(rank_spread(forward_s))
