@@ -175,6 +175,7 @@ def build_train_data(
     readers (default: one per sequence of the global batch), this rank's share of them."""
     readers = data.readers_for(global_batch_size)
     settings = _settings(data, seq_len + 1, "train", readers=readers)
+    settings = dataclasses.replace(settings, lanes=data.open_documents)
     if data.num_workers == 0:  # tokenizing in this process: sentencepiece's thread pool
         settings = dataclasses.replace(settings, threads=-1)
     sources = _open(data, tokenizer, settings)
@@ -185,6 +186,7 @@ def build_train_data(
         "global_batch_size": global_batch_size,
         "seq_len": seq_len,
         "seed": data.seed,
+        "open_documents": data.open_documents,
         "validation_fraction": data.validation_fraction,
         "sources": [s.uri for s in data.sources],
         "weights": [s.weight for s in data.sources],

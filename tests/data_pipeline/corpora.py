@@ -168,21 +168,29 @@ def write_parquet(path: Path, rows: list[dict], row_group_size: int) -> None:
 
 
 def stream_documents(steps: list, origins: list) -> Counter:
-    """The documents a run's windows hold: each stream's windows in order (by their
-    origins: source, epoch, stream, step, offset), cut after every EOS; asserts every
-    stream's windows end with a document."""
-    streams: dict = {}
+    """The documents a run's windows hold, put together from the windows' pieces (each
+    window's origin, (source, epoch, stream, step, offset, pieces), lists where its tokens
+    came from: a document, its first token, how many); asserts that the pieces fill the
+    windows and every document is whole: its pieces follow each other from its first token
+    and it ends with EOS."""
+    documents: dict = {}
     for step_windows, step_origins in zip(steps, origins, strict=True):
         for window, origin in zip(step_windows, step_origins, strict=True):
-            if window:
-                streams.setdefault(origin[:3], []).append((origin[3:], window))
-    documents = Counter()
-    for pieces in streams.values():
-        tokens = [t for _, window in sorted(pieces) for t in window]
-        complete, rest = split_after_eos(tokens)
-        assert rest == []
-        documents.update(complete)
-    return documents
+            at = 0
+            for document, first, length in origin[5]:
+                key = (*origin[:3], document)
+                documents.setdefault(key, []).append((first, window[at : at + length]))
+                at += length
+            assert at == len(window), origin
+    whole = Counter()
+    for pieces in documents.values():
+        tokens: list[int] = []
+        for first, piece in sorted(pieces):
+            assert first == len(tokens)
+            tokens += piece
+        assert tokens[-1] == EOS
+        whole[tuple(tokens)] += 1
+    return whole
 
 
 EOS = 2
