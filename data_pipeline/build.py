@@ -20,6 +20,7 @@ from data_pipeline.config import DataConfig, SourceConfig
 from data_pipeline.failures import DataFault
 from data_pipeline.loader import SINGLE, Collective, ReaderSlots, TrainData
 from data_pipeline.prepared import PreparedSource
+from data_pipeline.reading import DecodedGroups
 from data_pipeline.schedule import UNITS_PER_READER
 from data_pipeline.sources import Source, SourceError
 from data_pipeline.stream import (
@@ -35,11 +36,12 @@ from data_pipeline.stream import (
 from data_pipeline.tokenizer import Tokenizer, cached_copy, cached_tokenizer
 
 
-def open_source(cfg: SourceConfig) -> Source | PreparedSource:
-    """The Source (or PreparedSource, for 'prepared:DIR') of a source config; no I/O."""
+def open_source(cfg: SourceConfig, decoded: DecodedGroups | None = None) -> Source | PreparedSource:
+    """The Source (or PreparedSource, for 'prepared:DIR') of a source config; no I/O.
+    `decoded`: where a run's sources keep parquet row groups read in parts."""
     if cfg.uri.startswith("prepared:"):
         return PreparedSource(cfg)
-    return Source(cfg)
+    return Source(cfg, decoded)
 
 
 def check_data(data: DataConfig) -> None:
@@ -253,8 +255,10 @@ def _settings(data: DataConfig, window: int, split: str, readers: int) -> Stream
 
 
 def _open(data: DataConfig, tokenizer: Tokenizer, settings: StreamSettings) -> list:
-    """The sources, prepared ones with megatron's indices built (before any worker)."""
-    sources = [open_source(cfg) for cfg in data.sources]
+    """The sources, prepared ones with megatron's indices built (before any worker); they
+    share one cache of decoded row groups."""
+    decoded = DecodedGroups()
+    sources = [open_source(cfg, decoded) for cfg in data.sources]
     for source in sources:
         if isinstance(source, PreparedSource):
             source.check_tokenizer(tokenizer)

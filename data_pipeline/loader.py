@@ -72,16 +72,6 @@ STATE_FORMAT = 3
 document open per stream, before its lanes)."""
 
 
-_SHUTDOWNS: list = []
-"""The shutdown events of this process's workers, set when it exits (see worker_init)."""
-
-
-@atexit.register  # runs before multiprocessing's own exit handler terminates the workers
-def _workers_may_stop() -> None:
-    for event in _SHUTDOWNS:
-        event.set()
-
-
 def worker_init(shutdown, worker_id: int = 0) -> None:
     """DataLoader worker start-up. Stop signals are the trainer's to handle (it finishes
     its step, saves, then shuts its workers down): a SIGTERM, SIGUSR1 or SIGINT that
@@ -548,6 +538,7 @@ class TrainData:
         """Stop the workers (the next step starts new ones at the saved positions)."""
         if self._shutdown is not None:
             self._shutdown.set()
+            atexit.unregister(self._shutdown.set)
         self._loader, self._shutdown, self._inboxes = None, None, []
 
     def _start_workers(self) -> None:
@@ -566,7 +557,9 @@ class TrainData:
         for inbox in self._inboxes:
             inbox.cancel_join_thread()  # a worker that ended must not hold up this process's exit
         shutdown = self._shutdown = context.Event()
-        _SHUTDOWNS.append(shutdown)
+        # set when this process exits (see worker_init); registered after multiprocessing's
+        # own exit handler, which terminates the workers, so it runs before it
+        atexit.register(shutdown.set)
         dataset = ReaderWorkers(
             self.sources, self.units, self.weights, self.tokenizer, self.settings, self.slots,
             replica, self._inboxes, shutdown,
