@@ -16,7 +16,9 @@ window per reader a step:
                 step (tokenizing excluded, as overhead_s);
   step_s        a later step (the median of 5), tokenizing included;
   epoch_turn_s  a new epoch's order and first deal (SourceDeal.begin) on the run's schedule;
-  peak_rss_mb   the process's largest resident memory; state_kb, the data state's size.
+  peak_rss_mb   the process's largest resident memory; state_kb, the data state's size;
+                report_kb, the integers summed over the ranks each step (positions and
+                counts), as int64.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def measure(folder: Path, readers: int, cache: str) -> dict:
     """One case, in this process (see the module docstring)."""
     from data_pipeline.build import build_tokenizer, build_train_data, check_data
     from data_pipeline.config import DataConfig
+    from data_pipeline.loader import report_length
 
     data = DataConfig(
         sources=[{"uri": f"{folder}/*.parquet", "id_column": "id"}], readers=readers,
@@ -140,6 +143,8 @@ def measure(folder: Path, readers: int, cache: str) -> dict:
         "epoch_turn_s": round(turn, 4),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "state_kb": round(len(buffer.getvalue()) / 1024, 1),
+        "report_kb": round(report_length(train.schedule) * 8 / 1024, 1),
+        "open_documents": data.open_documents,
     }
 
 

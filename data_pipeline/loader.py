@@ -312,7 +312,9 @@ def report_length(schedule: Schedule) -> int:
 def apply_report(schedule: Schedule, total: np.ndarray) -> list[bool]:
     """Commit a step's summed report to a schedule; per source, whether an epoch began."""
     positions, counts = split_report(schedule, total)
-    return schedule.commit(positions, [c["unit_tokens"] for c in counts])
+    return schedule.commit(
+        positions, [c["unit_tokens"] for c in counts], [c["unit_rows"] for c in counts]
+    )
 
 
 def split_report(schedule: Schedule, total: np.ndarray) -> tuple[list[np.ndarray], list[dict]]:
@@ -648,16 +650,15 @@ def one_document_state(state: dict, lanes: int) -> dict:
     """A data state of format 2 (a stream held one document: `(unit, row, token,
     unit_tokens, unit_bad, ahead)` per stream) as one of this format for streams of `lanes`
     lanes: a stream's document, if begun, open in its first lane, its cursor at the next
-    row. The position is exact; the tally of the cursor's unit lacks that document's
-    tokens (it feeds only the estimates of work left), and its open tokens are 1 until
-    the stream reports them."""
+    row. Its open tokens are -1 until the stream reports them: the stream remade there adds
+    the tokens it has left to its unit's tally, which counted only the tokens taken."""
     state = copy.deepcopy(state)
     for deal in state["schedule"]["sources"]:
         packed, old = [], np.asarray(deal["positions"]).tolist()
         for unit, row, token, unit_tokens, unit_bad, ahead in old:
             begun = int(token > 0)
             lane = ((0, unit, row, token),) if begun else ()
-            position = Position(unit, row + begun, unit_tokens, unit_bad, ahead, begun, lanes=lane)
+            position = Position(unit, row + begun, unit_tokens, unit_bad, ahead, -begun, lanes=lane)
             packed.append(position.pack(lanes))
         deal["positions"] = np.array(packed, dtype=np.int64)
     return {**state, "format": STATE_FORMAT}

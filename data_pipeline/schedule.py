@@ -44,6 +44,7 @@ import numpy as np
 
 from data_pipeline.stream import (
     AHEAD,
+    LANE_UNITS,
     OPEN,
     UNIT,
     UNIT_TOKENS,
@@ -99,6 +100,8 @@ class SourceDeal:
     finished_size: int = 0
     finished_tokens: int = 0
     """Sizes and tokens of the units finished so far (every epoch): the measured ratio."""
+    finished_rows: int = 0
+    """Rows of the units finished so far: with their tokens, the tokens of a document."""
 
     def __post_init__(self) -> None:
         self.total = int(self.sizes.sum())
@@ -138,6 +141,13 @@ class SourceDeal:
         prior = PRIOR_SHARE * self.total
         return (self.finished_tokens + self.tokens_per_size * prior) / (self.finished_size + prior)
 
+    def document_tokens(self) -> float:
+        """Tokens of a document (a row) on average as measured (at least a step's), the
+        estimated work a lane without a document waits for."""
+        if not self.finished_rows:
+            return self.tokens_per_step
+        return max(self.finished_tokens / self.finished_rows, self.tokens_per_step)
+
     def exhausted(self) -> np.ndarray:
         """Per stream: read all it was handed, and used up its open documents."""
         return (self.positions[:, UNIT] >= self.lengths) & (self.positions[:, OPEN] == 0)
@@ -166,11 +176,14 @@ class SourceDeal:
         """Deal queued units, one per needy stream per round in stream order, to every
         stream with less than TARGET_STEPS steps of estimated work for its readers beyond
         the unit it reads (whose end an estimate cannot foresee: a stream runs dry only if
-        the units it was handed hold far less than their sizes promise)."""
+        the units it was handed hold far less than their sizes promise), plus a document's
+        for each of its lanes without one (so that it has documents to open them with: a
+        stream with one document open and none to open draws its windows from it)."""
         if self.handed == len(self.order):
             return
         members = np.bincount(self.follow, minlength=self.readers)
-        need = TARGET_STEPS * self.tokens_per_step * members
+        empty = self.lanes - (self.positions[:, LANE_UNITS] >= 0).sum(axis=1)
+        need = TARGET_STEPS * members * self.tokens_per_step + empty * self.document_tokens()
         remaining = self.queued()
         needy = np.nonzero(remaining < need)[0]
         while len(needy) and self.handed < len(self.order):
@@ -232,10 +245,11 @@ class SourceDeal:
         step: int,
         slots: np.ndarray,
         window: int,
+        rows: int = 0,
     ) -> bool:
-        """Apply the reports of step `step` (positions of the streams `reported`, tokens of
-        the units finished; `slots`: each reader's windows of this source in the next
-        step, of `window` tokens); True if the next epoch begins."""
+        """Apply the reports of step `step` (positions of the streams `reported`, tokens and
+        rows of the units finished; `slots`: each reader's windows of this source in the
+        next step, of `window` tokens); True if the next epoch begins."""
         for h in np.nonzero(reported & (positions[:, UNIT] != self.positions[:, UNIT]))[0]:
             units, old, new = self.lists[h], self.positions[h, UNIT], positions[h, UNIT]
             passed = int(self.sizes[units[old:new]].sum())
@@ -243,6 +257,7 @@ class SourceDeal:
             self.passed[h] += passed
             self.head[h] = self.sizes[units[new]] if new < len(units) else 0
         self.finished_tokens += tokens
+        self.finished_rows += rows
         self.positions[reported] = positions[reported]
         if self.handed == len(self.order) and self.exhausted().all():
             self.begin(self.epoch + 1, step)
@@ -270,7 +285,7 @@ class SourceDeal:
             "units": np.array([u for units in self.lists for u in units], dtype=np.int64),
             "lengths": self.lengths.copy(), "positions": self.positions.copy(),
             "follow": self.follow.copy(), "finished_size": self.finished_size,
-            "finished_tokens": self.finished_tokens,
+            "finished_tokens": self.finished_tokens, "finished_rows": self.finished_rows,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -282,6 +297,7 @@ class SourceDeal:
         self.positions = np.array(state["positions"], dtype=np.int64)
         self.follow = np.array(state["follow"], dtype=np.int64)
         self.finished_size, self.finished_tokens = state["finished_size"], state["finished_tokens"]
+        self.finished_rows = state.get("finished_rows", 0)  # (format 2: not counted)
         self._index()
 
 
@@ -328,17 +344,26 @@ class Schedule:
         """Integers per source in a step's report (the positions of all streams)."""
         return self.readers * (1 + self.fields)
 
-    def commit(self, reports: Sequence[np.ndarray], tokens: Sequence[int]) -> list[bool]:
+    def commit(
+        self,
+        reports: Sequence[np.ndarray],
+        tokens: Sequence[int],
+        rows: Sequence[int] | None = None,
+    ) -> list[bool]:
         """Apply one step's summed reports (per source: [readers, 1 + fields], a stream's
-        row [1, *position] where a stream reported), and the tokens of the units finished;
-        per source, whether its next epoch begins."""
+        row [1, *position] where a stream reported), and the tokens and rows of the units
+        finished; per source, whether its next epoch begins."""
         turned, slots = [], self.slots(self.step + 1)
-        for deal, report, finished, counts in zip(self.deals, reports, tokens, slots, strict=True):
+        rows = rows if rows is not None else [0] * len(self.deals)
+        for deal, report, finished, counts, read in zip(
+            self.deals, reports, tokens, slots, rows, strict=True
+        ):
             report = np.asarray(report).reshape(self.readers, 1 + self.fields)
             reported, positions = report[:, 0] > 0, report[:, 1:]
             turned.append(
-                deal.commit(reported, positions, int(finished), self.step, counts, self.window)
-            )
+                deal.commit(reported, positions, int(finished), self.step, counts, self.window,
+                            int(read))
+            )  # fmt: skip
         self.step += 1
         return turned
 

@@ -116,7 +116,8 @@ class Position(NamedTuple):
     (> 0), or minus the number it read ahead without reaching its end (< 0); else 0. Not
     needed to continue: it tells the schedule which streams need readers most."""
     open: int = 0
-    """Tokens left in the open documents."""
+    """Tokens left in the open documents (-1: a state of format 2 converted, whose open
+    document's tokens left are not yet in its unit's tally)."""
     drawn: int = 0
     """Windows the stream has produced: the number of the next window's draw."""
     last: int = -1
@@ -152,6 +153,8 @@ UNIT, UNIT_TOKENS, AHEAD, OPEN = (
     Position._fields.index(name) for name in ("unit", "unit_tokens", "ahead", "open")
 )
 """Columns of a packed Position that the schedule reads."""
+LANE_UNITS = slice(SCALARS, None, 3)
+"""Columns of a packed Position holding each lane's unit (-1: no document)."""
 
 
 def position_fields(lanes: int) -> int:
@@ -605,6 +608,8 @@ class SourceStream:
             lane, taken = wanted[(unit, row)]
             self.lanes[lane] = _Open(tokens[taken:], unit, row, taken)
             self.open_tokens += len(tokens) - taken
+        if position.open < 0:  # (see Position.open)
+            self.tallies[position.unit][2] += self.open_tokens
 
 
 def stream_for(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import uuid
 from collections import Counter
@@ -144,6 +145,15 @@ def read_documents(src, split=None, validation_fraction=0.0):
     return [doc for doc, *_ in reader.documents(src.units())], reader.counts
 
 
+def expected_documents(tokenizer, rows: list[dict], fraction: float) -> Counter:
+    """The token ids (EOS included) of the training documents among `rows`, by the id-hash
+    split with `fraction` held out."""
+    from data_pipeline.documents import split_of
+
+    train = [r["text"] for r in rows if split_of(r["id"], fraction) == "train"]
+    return Counter(tuple(ids) for ids in tokenizer.encode_batch(train, add_eos=True))
+
+
 def heavy_tailed_rows(n: int, median: int, giants: int, giant_chars: int, seed: int = 0):
     """n FineWeb-Edu rows of real prose whose lengths vary like web text: lognormal
     characters around `median` (sigma 1: a tenth of them over 3.6x the median, some over
@@ -158,6 +168,24 @@ def heavy_tailed_rows(n: int, median: int, giants: int, giant_chars: int, seed: 
         row = fineweb_rows(1, offset=i)[0]
         row["text"] = f"{prose[start : start + length]} [{i}]"
         rows.append(row)
+    return rows
+
+
+def long_document_rows(n: int, median: int, seed: int = 0) -> list[dict]:
+    """n FineWeb-Edu rows of real prose, each a stretch of the embedded corpus's text not
+    shared with another row (while the text lasts), lognormal in length around `median`
+    characters (sigma 1: a tenth of them over 3.6x the median, some over 10x)."""
+    rng = np.random.default_rng(seed)
+    prose = "\n\n".join(doc.text for doc in embedded_documents())
+    lengths = np.maximum(rng.lognormal(np.log(median), 1.0, n), 20).astype(int)
+    rows, start = [], 0
+    for i, length in enumerate(lengths):
+        if start + length > len(prose):
+            start = 0
+        row = fineweb_rows(1, offset=i)[0]
+        row["text"] = f"{prose[start : start + length]} [{i}]"
+        rows.append(row)
+        start += length
     return rows
 
 
@@ -191,6 +219,25 @@ def stream_documents(steps: list, origins: list) -> Counter:
         assert tokens[-1] == EOS
         whole[tuple(tokens)] += 1
     return whole
+
+
+def window_documents(origin) -> set:
+    """The documents a window holds a token of, by its origin's pieces."""
+    return {(*origin[:3], document) for document, _, _ in origin[5]}
+
+
+def documents_per_step(origins: list) -> list[int]:
+    """Per step (its windows' origins), the documents with a token in it."""
+    return [len(set().union(*map(window_documents, step))) for step in origins]
+
+
+def repeats(origins: list) -> list[int]:
+    """Per step after the first, the readers (one window each a step) whose window holds a
+    token of a document their previous window held."""
+    return [
+        sum(bool(window_documents(a) & window_documents(b)) for a, b in zip(*pair, strict=True))
+        for pair in itertools.pairwise(origins)
+    ]
 
 
 EOS = 2
