@@ -142,11 +142,14 @@ class SourceDeal:
         return (self.finished_tokens + self.tokens_per_size * prior) / (self.finished_size + prior)
 
     def document_tokens(self) -> float:
-        """Tokens of a document (a row) on average as measured (at least a step's), the
-        estimated work a lane without a document waits for."""
-        if not self.finished_rows:
-            return self.tokens_per_step
-        return max(self.finished_tokens / self.finished_rows, self.tokens_per_step)
+        """Tokens of a document (a row) on average, the work a lane without a document
+        waits for: measured on the finished units, with a first guess of a step's tokens
+        counted as if every lane of every stream had held a document of it (the units
+        that finish first are no fair sample: one holding a single long document made
+        every stream wait for dozens of units)."""
+        prior = self.readers * self.lanes
+        tokens = self.finished_tokens + prior * self.tokens_per_step
+        return tokens / (self.finished_rows + prior)
 
     def exhausted(self) -> np.ndarray:
         """Per stream: read all it was handed, and used up its open documents."""
