@@ -30,6 +30,8 @@ at every evaluation after warmup (target: at most 0.02 nats).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import json
 import os
 import subprocess
@@ -178,10 +180,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--corpora", nargs="+", default=["embedded", "long"])
     parser.add_argument("--orders", nargs="+", default=list(ORDERS), choices=list(ORDERS))
-    parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--eval-interval", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=480)
+    parser.add_argument("--eval-interval", type=int, default=20)
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--turn-window", type=int, default=100)
+    parser.add_argument("--jobs", type=int, default=1, help="training runs at once")
+    parser.add_argument("--work", help="keep the corpora and runs here (default: a temporary dir)")
     parser.add_argument("--out", default="bench/results/stream_vs_prepared_cpu")
     args = parser.parse_args()
     from data_pipeline.build import build_tokenizer
@@ -189,13 +193,14 @@ def main() -> None:
 
     started = time.perf_counter()
     tokenizer = build_tokenizer(DataConfig(), str(Path("~/.cache/belief-lm").expanduser())).path
-    corpora = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        work = Path(args.work or stack.enter_context(tempfile.TemporaryDirectory()))
+        work.mkdir(parents=True, exist_ok=True)
+        runs, heldout, corpora = {}, {}, {}  # runs: (corpus, order) -> (directory, overrides)
         for name in args.corpora:
             data = corpus_overrides(name, work, tokenizer)
-            heldout = held_out(data, work / f"{name}-heldout.jsonl")
-            runs = {}
+            heldout[name] = held_out(data, work / f"{name}-heldout.jsonl")
+            corpora[name] = {"overrides": data, "orders": {}}
             for order in args.orders:
                 extra = ORDERS[order]
                 if extra is None:
@@ -203,31 +208,37 @@ def main() -> None:
                     cli("prepare", "--config", CONFIG, "--output", str(prepared), "--workers",
                         "2", *data)  # fmt: skip
                     extra = [f"data.sources=[prepared:{prepared}]"]
-                run_dir = work / f"{name}-{order.replace(' ', '-')}"
-                seconds = train(run_dir, [*data, *extra], args)
-                runs[order] = {"wall_seconds": round(seconds, 1),
-                               **curve(run_dir, heldout, args.eval_batches)}  # fmt: skip
-                runs[order]["rise_after_turns"] = rise_after_turns(runs[order], args.turn_window)
-                print(name, order, json.dumps(runs[order]), flush=True)
-            corpus = {"overrides": data, "orders": runs}
-            if "streamed" in runs and "prepared" in runs:
-                streamed, prepared = runs["streamed"], runs["prepared"]
-                gaps = [
-                    round(a - b, 4)
-                    for step, a, b in zip(streamed["steps"], streamed["val_loss"],
-                                          prepared["val_loss"], strict=True)
-                    if step > WARMUP
-                ]  # fmt: skip
-                corpus["gap_streamed_minus_prepared"] = gaps
-                corpus["largest_gap_after_warmup"] = max(gaps, key=abs)
-            turns = runs[args.orders[0]]["epoch_turns"]
-            corpus["epochs"] = len(turns) + (args.steps - turns[-1]) / turns[0] if turns else 0
-            corpora[name] = corpus
+                runs[(name, order)] = (work / f"{name}-{order.replace(' ', '-')}", [*data, *extra])
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            seconds = list(pool.map(lambda run: train(*run, args), runs.values()))
+        for ((name, order), (run_dir, _)), wall in zip(runs.items(), seconds, strict=True):
+            run = {
+                "wall_seconds": round(wall, 1),
+                **curve(run_dir, heldout[name], args.eval_batches),
+            }
+            run["rise_after_turns"] = rise_after_turns(run, args.turn_window)
+            corpora[name]["orders"][order] = run
+            print(name, order, json.dumps(run), flush=True)
+    for corpus in corpora.values():
+        orders = corpus["orders"]
+        if "streamed" in orders and "prepared" in orders:
+            streamed, prepared = orders["streamed"], orders["prepared"]
+            gaps = [
+                round(a - b, 4)
+                for step, a, b in zip(streamed["steps"], streamed["val_loss"],
+                                      prepared["val_loss"], strict=True)
+                if step > WARMUP
+            ]  # fmt: skip
+            corpus["gap_streamed_minus_prepared"] = gaps
+            corpus["largest_gap_after_warmup"] = max(gaps, key=abs, default=None)
+        turns = next(iter(orders.values()))["epoch_turns"]
+        epochs = len(turns) + (args.steps - turns[-1]) / turns[0] if turns else 0
+        corpus["epochs"] = round(epochs, 2)
     out = Path(args.out)
     result = {
         "benchmark": "streamed vs prepared training of the same documents",
         "config": CONFIG, "steps": args.steps, "eval_interval": args.eval_interval,
-        "eval_batches": args.eval_batches, "turn_window": args.turn_window,
+        "eval_batches": args.eval_batches, "turn_window": args.turn_window, "jobs": args.jobs,
         "corpora": corpora, "wall_seconds": round(time.perf_counter() - started),
         "plot": str(out.with_suffix(".png")),
     }  # fmt: skip
