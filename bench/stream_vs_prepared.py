@@ -133,7 +133,7 @@ def curve(run_dir: Path, heldout: Path, batches: int) -> dict:
         "steps": steps,
         "val_loss": losses,
         "epoch_turns": turns,
-        "train_loss_last_10": round(sum(r["loss"] for r in rows[-10:]) / 10, 4),
+        "train_loss_last_10": round(sum(r["loss"] for r in rows[-10:]) / len(rows[-10:]), 4),
         "documents_per_step_mean": round(sum(documents) / max(len(documents), 1), 2),
         "documents_per_step_min": min(documents, default=0),
         "step_seconds": round(sum(r["step_time_s"] for r in rows), 1),
