@@ -21,6 +21,7 @@ from data_pipeline.errors import BadDataInput
 from data_pipeline.failures import DataFault
 from data_pipeline.loader import SINGLE, Collective, ReaderSlots, TrainData
 from data_pipeline.prepared import PreparedSource
+from data_pipeline.reading import DecodedGroups
 from data_pipeline.schedule import UNITS_PER_READER
 from data_pipeline.sources import Source, SourceError
 from data_pipeline.stream import (
@@ -36,11 +37,12 @@ from data_pipeline.stream import (
 from data_pipeline.tokenizer import Tokenizer, cached_copy, cached_tokenizer
 
 
-def open_source(cfg: SourceConfig) -> Source | PreparedSource:
-    """The Source (or PreparedSource, for 'prepared:DIR') of a source config; no I/O."""
+def open_source(cfg: SourceConfig, decoded: DecodedGroups | None = None) -> Source | PreparedSource:
+    """The Source (or PreparedSource, for 'prepared:DIR') of a source config; no I/O.
+    `decoded`: where a run's sources keep parquet row groups read in parts."""
     if cfg.uri.startswith("prepared:"):
         return PreparedSource(cfg)
-    return Source(cfg)
+    return Source(cfg, decoded)
 
 
 def check_data(data: DataConfig) -> None:
@@ -176,6 +178,7 @@ def build_train_data(
     readers (default: one per sequence of the global batch), this rank's share of them."""
     readers = data.readers_for(global_batch_size)
     settings = _settings(data, seq_len + 1, "train", readers=readers)
+    settings = dataclasses.replace(settings, lanes=data.open_documents)
     if data.num_workers == 0:  # tokenizing in this process: sentencepiece's thread pool
         settings = dataclasses.replace(settings, threads=-1)
     sources = _open(data, tokenizer, settings)
@@ -186,6 +189,7 @@ def build_train_data(
         "global_batch_size": global_batch_size,
         "seq_len": seq_len,
         "seed": data.seed,
+        "open_documents": data.open_documents,
         "validation_fraction": data.validation_fraction,
         "sources": [s.uri for s in data.sources],
         "weights": [s.weight for s in data.sources],
@@ -252,8 +256,10 @@ def _settings(data: DataConfig, window: int, split: str, readers: int) -> Stream
 
 
 def _open(data: DataConfig, tokenizer: Tokenizer, settings: StreamSettings) -> list:
-    """The sources, prepared ones with megatron's indices built (before any worker)."""
-    sources = [open_source(cfg) for cfg in data.sources]
+    """The sources, prepared ones with megatron's indices built (before any worker); they
+    share one cache of decoded row groups."""
+    decoded = DecodedGroups()
+    sources = [open_source(cfg, decoded) for cfg in data.sources]
     for source in sources:
         if isinstance(source, PreparedSource):
             source.check_tokenizer(tokenizer)

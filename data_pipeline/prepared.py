@@ -236,6 +236,8 @@ class PreparedStream:
         self.taken = 0
         self.tallies: dict[int, list[int]] = {}
         self.first_bad = None
+        self.pieces: list[tuple[tuple[int], int, int]] = []
+        """The last window's pieces: ((document,), first token, tokens)."""
 
     def next_window(self) -> np.ndarray | None:
         index = self.unit_at(self.unit)
@@ -244,6 +246,7 @@ class PreparedStream:
         unit = self.units[index]
         sample = self.dataset[unit.start + self.row]
         window = np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
+        self.pieces = sample_pieces(self.dataset, unit.start + self.row)
         self.row += 1
         self.unit_tokens += len(window)
         self.taken += len(window)
@@ -254,7 +257,7 @@ class PreparedStream:
         return window.astype(np.int32)
 
     def position(self) -> Position:
-        return Position(self.unit, self.row, 0, self.unit_tokens, 0)
+        return Position(self.unit, self.row, self.unit_tokens)
 
     def look_ahead(self, tokens: int) -> int:
         """Position.ahead: the samples left in the list, counted without reading them."""
@@ -275,3 +278,19 @@ class PreparedStream:
             rows, _, tokens = self.tallies.pop(k)
             out.update(units=1, unit_rows=rows, unit_rows2=rows * rows, unit_tokens=tokens)
         return out
+
+
+def sample_pieces(dataset: GPTDataset, sample: int) -> list[tuple[tuple[int], int, int]]:
+    """The documents sample `sample` of megatron's GPTDataset spans (its shuffle, sample
+    and document indices, as its __getitem__ just read them): ((document,), first token,
+    tokens) each."""
+    beg, beg_offset = dataset.sample_index[dataset.shuffle_index[sample]]
+    end, end_offset = dataset.sample_index[dataset.shuffle_index[sample] + 1]
+    lengths = dataset.dataset.sequence_lengths
+    pieces = []
+    for i in range(int(beg), int(end) + 1):
+        document = int(dataset.document_index[i])
+        first = int(beg_offset) if i == beg else 0
+        stop = int(end_offset) + 1 if i == end else int(lengths[document])  # (+1: the label)
+        pieces.append(((document,), first, stop - first))
+    return pieces
