@@ -108,8 +108,11 @@ def cli(*args: str) -> None:
         raise RuntimeError(f"{' '.join(args[:1])} failed:\n{done.stderr[-3000:]}")
 
 
-def train(run_dir: Path, overrides: list[str], args) -> float:
-    """One training run, a checkpoint every eval_interval steps; its wall seconds."""
+def train(run_dir: Path, overrides: list[str], args) -> float | None:
+    """One training run, a checkpoint every eval_interval steps; its wall seconds (None: a
+    finished run kept in --work, not trained again)."""
+    if args.work and (run_dir / "checkpoints" / f"step_{args.steps:06d}").is_dir():
+        return None
     started = time.perf_counter()
     cli(
         "train", "--config", CONFIG, f"run.output_dir={run_dir}",
@@ -216,15 +219,16 @@ def main() -> None:
                 extra = ORDERS[order]
                 if extra is None:
                     prepared = work / f"{name}-prepared"
-                    cli("prepare", "--config", CONFIG, "--output", str(prepared), "--workers",
-                        "2", *data)  # fmt: skip
+                    if not (prepared / "train.idx").exists():  # (kept in --work)
+                        cli("prepare", "--config", CONFIG, "--output", str(prepared),
+                            "--workers", "2", *data)  # fmt: skip
                     extra = [f"data.sources=[prepared:{prepared}]"]
                 runs[(name, order)] = (work / f"{name}-{order.replace(' ', '-')}", [*data, *extra])
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             seconds = list(pool.map(lambda run: train(*run, args), runs.values()))
         for ((name, order), (run_dir, _)), wall in zip(runs.items(), seconds, strict=True):
             run = {
-                "wall_seconds": round(wall, 1),
+                "wall_seconds": wall and round(wall, 1),
                 **curve(run_dir, heldout[name], args.eval_batches),
             }
             run["rise_after_turns"] = rise_after_turns(run, args.turn_window)
@@ -234,14 +238,14 @@ def main() -> None:
         orders = corpus["orders"]
         if "streamed" in orders and "prepared" in orders:
             streamed, prepared = orders["streamed"], orders["prepared"]
+            evaluated = dict(zip(prepared["steps"], prepared["val_loss"], strict=True))
             gaps = [
-                round(a - b, 4)
-                for step, a, b in zip(streamed["steps"], streamed["val_loss"],
-                                      prepared["val_loss"], strict=True)
-                if step > WARMUP
-            ]  # fmt: skip
+                [step, round(loss - evaluated[step], 4)]
+                for step, loss in zip(streamed["steps"], streamed["val_loss"], strict=True)
+                if step > WARMUP and step in evaluated
+            ]  # (a run may save a checkpoint off the interval: steps both evaluated)
             corpus["gap_streamed_minus_prepared"] = gaps
-            corpus["largest_gap_after_warmup"] = max(gaps, key=abs, default=None)
+            corpus["largest_gap_after_warmup"] = max((g for _, g in gaps), key=abs, default=None)
         turns = next(iter(orders.values()))["epoch_turns"]
         epochs = len(turns) + (args.steps - turns[-1]) / turns[0] if turns else 0
         corpus["epochs"] = round(epochs, 2)
