@@ -581,12 +581,14 @@ class Config(Section):
         """Sequence parallelism splits each sequence over the tensor-parallel ranks."""
         tensor, seq_length = self.parallel.tensor, self.model.seq_length
         if self.parallel.sequence_parallel_on and seq_length % tensor:
-            fits = [t for t in range(2, min(seq_length, 64) + 1) if seq_length % t == 0][:6]
+            model = self.model  # tensor sizes that also split the heads and KV groups
+            splits = (seq_length, model.num_attention_heads, model.query_groups)
+            fits = [t for t in range(2, 65) if not any(n % t for n in splits)]
+            sizes = f", parallel.tensor to one of {fits}" if fits else ""
             raise ValueError(
                 f"model.seq_length ({seq_length}) is not divisible by parallel.tensor "
-                f"({tensor}), which sequence parallelism needs: use a tensor size of "
-                f"{fits or 'none'}, a seq_length that is a multiple of {tensor}, or "
-                "parallel.sequence_parallel=false"
+                f"({tensor}), which sequence parallelism needs: set model.seq_length to a "
+                f"multiple of {tensor}{sizes}, or parallel.sequence_parallel=false"
             )
         return self
 

@@ -83,7 +83,8 @@ def test_effective_config_round_trips(tmp_path):
         (
             ["parallel.tensor=4", "model.seq_length=130"],
             "model.seq_length (130) is not divisible by parallel.tensor (4), which sequence "
-            "parallelism needs: use a tensor size of [2, 5, 10, 13, 26]",
+            "parallelism needs: set model.seq_length to a multiple of 4, parallel.tensor to "
+            "one of [2], or parallel.sequence_parallel=false",
         ),
     ],
 )
