@@ -15,7 +15,9 @@ torch.distributed:
   functions hold the collective's name and its `group` argument.
 
 megatron-core: its linears' private GEMM call and dgrad all-reduce flag (RowLinear,
-ColumnLinear, for torch.compile), and the `_extra_state` entries of its state dicts.
+ColumnLinear, for torch.compile), the `_extra_state` entries of its state dicts, and for
+sequence parallelism the device its collectives allocate on and its RNG tracker's fork
+(`megatron_collectives_on_host`, `untracked_dropout_rng`).
 
 DeepSpeed: where its engine takes a step's gradient norm from, which C++ ops it may build
 on a CPU, the names of its checkpoint files (which consolidate.py reads directly), the
@@ -121,6 +123,71 @@ def drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
     the None default when loading."""
     for key in [k for k, v in state_dict.items() if k.endswith("._extra_state") and v is None]:
         del state_dict[key]
+
+
+SEQUENCE_PARALLEL_MODULES = (
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.utils",
+)
+"""megatron's modules whose sequence-parallel paths allocate their collectives' outputs
+with `device=torch.cuda.current_device()`: the all-gather and reduce-scatter regions
+(mappings), the column-parallel GEMM's all-gather and its input gradient's reduce-scatter
+(layers), and the global buffer those all-gathers fill (utils.GlobalMemoryBuffer)."""
+
+
+class _HostCuda:
+    """torch.cuda as seen by megatron on a host without CUDA: the current device is the
+    CPU; everything else is torch.cuda's own."""
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+
+class _HostTorch(types.ModuleType):
+    """The torch module with `cuda` replaced by _HostCuda; every other name is torch's."""
+
+    cuda = _HostCuda()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def megatron_collectives_on_host() -> None:
+    """Let megatron's sequence-parallel collectives run where CUDA is not available (gloo
+    on CPU: tests, CI): the modules of SEQUENCE_PARALLEL_MODULES see a torch whose
+    `cuda.current_device()` is the CPU, so their buffers are allocated there; gloo has
+    the all_gather_into_tensor and reduce_scatter_tensor they call. Those allocations are
+    the only CUDA-only step of these paths; with CUDA, nothing changes."""
+    if torch.cuda.is_available():
+        return
+    import importlib
+
+    for name in SEQUENCE_PARALLEL_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _HostTorch):
+            module.torch = _HostTorch("torch")
+
+
+def untracked_dropout_rng() -> None:
+    """Make megatron's model-parallel RNG fork a no-op unless a tracker with states was set
+    up (by megatron's model_parallel_cuda_manual_seed, which belief-lm does not call: it
+    is CUDA-only). With sequence parallelism megatron's embedding applies its dropout
+    inside `get_cuda_rng_tracker().fork()`, which otherwise fails for want of a state (and
+    of CUDA). Without the fork that dropout draws from the default generator, as the
+    layers' own dropout does in the same sequence-parallel region; at dropout 0 (every
+    shipped config) nothing is drawn at all. megatron's own no-op tracker is the one it
+    builds for inference."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    tracker = megatron_random._CUDA_RNG_STATE_TRACKER
+    if tracker is not None and tracker.get_states():
+        return
+    megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 # DeepSpeed -------------------------------------------------------------------------------

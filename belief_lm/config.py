@@ -178,6 +178,12 @@ class ParallelConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 1
     """DeepSpeed ZeRO stage for the data-parallel optimizer state (at most 1 with a
     pipeline)."""
+    sequence_parallel: bool | None = None
+    """Megatron's sequence parallelism: outside the attention and the MLP (norms, residual
+    adds, dropout, the embedding's output, the pipeline's stage boundary) each tensor-parallel
+    rank keeps 1/tensor of the sequence instead of all of it (the all-reduces become
+    all-gathers and reduce-scatters of the same bytes). None: on whenever tensor > 1;
+    false: off. Needs model.seq_length divisible by tensor."""
     timeout_s: PositiveInt = 600
     """Seconds a rank waits in a collective before failing: every process group of the run
     (ours, megatron-core's, DeepSpeed's) has it, so a silent rank ends the job with exit
@@ -187,6 +193,11 @@ class ParallelConfig(Section):
     """Seconds the other ranks wait for rank 0's one-off work before failing (training the
     tokenizer, converting a checkpoint, downstream evaluation): longer than that work takes.
     A rank 0 that stops answering meanwhile is found within timeout_s (its heartbeat)."""
+
+    @property
+    def sequence_parallel_on(self) -> bool:
+        """Whether sequence parallelism runs: tensor > 1 and not turned off."""
+        return self.tensor > 1 and self.sequence_parallel is not False
 
 
 class SpikeConfig(Section):
@@ -563,6 +574,22 @@ class Config(Section):
                 f"of train.micro_batch_size ({self.train.micro_batch_size})"
             )
         self.train.global_batch_size = sequences
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_split(self) -> Config:
+        """Sequence parallelism splits each sequence over the tensor-parallel ranks."""
+        tensor, seq_length = self.parallel.tensor, self.model.seq_length
+        if self.parallel.sequence_parallel_on and seq_length % tensor:
+            model = self.model  # tensor sizes that also split the heads and KV groups
+            splits = (seq_length, model.num_attention_heads, model.query_groups)
+            fits = [t for t in range(2, 65) if not any(n % t for n in splits)]
+            sizes = f", parallel.tensor to one of {fits}" if fits else ""
+            raise ValueError(
+                f"model.seq_length ({seq_length}) is not divisible by parallel.tensor "
+                f"({tensor}), which sequence parallelism needs: set model.seq_length to a "
+                f"multiple of {tensor}{sizes}, or parallel.sequence_parallel=false"
+            )
         return self
 
     @model_validator(mode="after")

@@ -119,6 +119,10 @@ class Saved:
     outside the attention core is kept unless the whole layer is recomputed; selective
     recomputes what is inside the core and keeps its output; full keeps the layer's
     input alone."""
+    sequence_split: bool = False
+    """Outside the tensor-parallel region (the layer's input, the norms' tensors, the
+    residual sums): with sequence parallelism each rank keeps 1/TP of the sequence's
+    (Korthikanti et al.'s 10 of 34 units), else the whole sequence's."""
 
     def bytes(self, bf16: bool) -> int:
         return self.elements * (4 if self.fp32 or not bf16 else 2)
@@ -341,7 +345,8 @@ def layer_saved(model: ModelConfig, tensor: int, bf16: bool) -> tuple[Saved, ...
     (made once per model, as `describe`).
 
     Counted from what autograd saves in this model (megatron's local layer spec with
-    FamilyCoreAttention; no sequence parallelism, so the norms' tensors are replicated);
+    FamilyCoreAttention), the whole sequence's: under sequence parallelism the entries
+    marked sequence_split are 1/TP of that (plan.layer_activations);
     tests/test_plan.py holds the sum under each recompute mode to the allocator. RMSNorm
     keeps an fp32 copy of its input, its fp32 normalized value and its output (torch's
     composite kernel; LayerNorm only its input and output), so the layer input and the
@@ -359,7 +364,7 @@ def _layer_saved(model_json: str, tensor: int, bf16: bool) -> tuple[Saved, ...]:
     rms = model.normalization == "RMSNorm"
     ffn = model.ffn_size // tensor
     saved = [
-        Saved("the layer's input", hidden, kept_under=LAYER_INPUT),
+        Saved("the layer's input", hidden, kept_under=LAYER_INPUT, sequence_split=True),
         *norm_saved(model, "input_layernorm"),
         Saved("the QKV projection's output (V is a view of it)", q + 2 * kv),
         *qk_norm_saved(model, tensor, bf16),
@@ -373,7 +378,7 @@ def _layer_saved(model_json: str, tensor: int, bf16: bool) -> tuple[Saved, ...]:
         Saved("the attention core's output", output, kept_under=CORE_OUTPUT),
         Saved("SDPA's log-sum-exp per head", model.num_attention_heads // tensor, fp32=True),
         *norm_saved(model, "pre_mlp_layernorm"),
-        Saved("the norms' statistics", 2 if rms else 4, fp32=True),
+        Saved("the norms' statistics", 2 if rms else 4, fp32=True, sequence_split=True),
     ]
     if model.activation == "swiglu":  # megatron's glu adds glu_linear_offset to up: a copy
         what = "the MLP's: fc1's output [gate; up], SiLU's output, up + offset, the product"
@@ -386,13 +391,16 @@ def _layer_saved(model_json: str, tensor: int, bf16: bool) -> tuple[Saved, ...]:
 def norm_saved(model: ModelConfig, name: str) -> tuple[Saved, ...]:
     """A pre-norm's kept tensors (also the final norm's, on the last stage)."""
     hidden = model.hidden_size
+    split = {"sequence_split": True}
     if model.normalization == "RMSNorm":
         return (
-            Saved(f"{name}: its input in fp32", hidden, fp32=True),
-            Saved(f"{name}: its normalized value in fp32", hidden, fp32=True),
-            Saved(f"{name}: its output", hidden),
+            Saved(f"{name}: its input in fp32", hidden, fp32=True, **split),
+            Saved(f"{name}: its normalized value in fp32", hidden, fp32=True, **split),
+            Saved(f"{name}: its output", hidden, **split),
         )
-    return Saved(f"{name}: its input", hidden), Saved(f"{name}: its output", hidden)
+    return Saved(f"{name}: its input", hidden, **split), Saved(
+        f"{name}: its output", hidden, **split
+    )
 
 
 def qk_norm_saved(model: ModelConfig, tensor: int, bf16: bool) -> tuple[Saved, ...]:

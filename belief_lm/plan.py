@@ -13,7 +13,9 @@ at its peak (what torch.cuda.max_memory_allocated reports):
 - activations per decoder layer, what autograd keeps for backward in this code as the
   model's description lists it (belief_lm.description.layer_saved: belief_star's Δ, Δ^s,
   the [Δ, Δ^s] input of W^o/W^s and, in bf16, the fp32 copies its inner products take),
-  under none / selective / full recompute, times the
+  under none / selective / full recompute (with sequence parallelism the layer's
+  input, norms and residuals 1/TP of the sequence's: Korthikanti et al.'s s·b·h·34/t per
+  layer instead of 10 + 24/t, in their units), times the
   micro-batches a pipeline stage holds (1F1B), plus the loss's fp32 softmax over the
   vocabulary on the last stage (with train.loss_chunk_tokens only one chunk's logits, in
   backward);
@@ -88,6 +90,8 @@ class Candidate:
     recompute: str
     accumulation: int
     """Micro-batches per optimizer step on each data-parallel rank."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (parallel.sequence_parallel) at this tensor size."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,10 @@ def candidates(
     for tensor in _divisors(gpus):
         if tensor > machine.gpus_per_node or vocab_size % tensor:
             continue  # TP stays within a node; the vocabulary is split over TP ranks
+        split = {"tensor": tensor}
+        sequence_parallel = cfg.parallel.model_copy(update=split).sequence_parallel_on
+        if sequence_parallel and cfg.model.seq_length % tensor:
+            continue  # the sequence is split over TP ranks (config's own check)
         for pipeline in _divisors(gpus // tensor):
             for zero in (0, 1, 2, 3):
                 for micro in range(1, max_micro_batch + 1):
@@ -183,8 +191,9 @@ def candidates(
                         continue
                     for mode in recompute:
                         yield Candidate(
-                            tensor, pipeline, dims.data, zero, micro, mode, accumulation
-                        )
+                            tensor, pipeline, dims.data, zero, micro, mode, accumulation,
+                            sequence_parallel,
+                        )  # fmt: skip
 
 
 def run_vocab_size(cfg: Config) -> int:
@@ -204,23 +213,44 @@ def _divisors(n: int) -> list[int]:
 # --------------------------------------------------------------------------- activations
 
 
-def layer_activations(model: ModelConfig, tensor: int, recompute: str, bf16: bool) -> float:
-    """Bytes per token one decoder layer keeps for backward on one tensor-parallel rank
-    under `recompute`: the description's kept tensors (belief_lm.description.layer_saved)
-    that the mode keeps. Full recompute keeps the layer's input only; selective keeps the
-    attention core's inputs and output and drops what is inside it."""
+def layer_activations(
+    model: ModelConfig, tensor: int, recompute: str, bf16: bool, sequence_parallel: bool = False
+) -> float:
+    """Bytes per token (of the whole sequence) one decoder layer keeps for backward on one
+    tensor-parallel rank under `recompute`: the description's kept tensors
+    (belief_lm.description.layer_saved) that the mode keeps. Full recompute keeps the
+    layer's input only; selective keeps the attention core's inputs and output and drops
+    what is inside it. With `sequence_parallel` the tensors outside the tensor-parallel
+    region are this rank's part of the sequence: 1/tensor of them."""
     saved = layer_saved(model, tensor, bf16)
-    return sum(entry.bytes(bf16) for entry in saved if recompute in entry.kept_under)
+    split = tensor if sequence_parallel else 1
+    return sum(
+        entry.bytes(bf16) / (split if entry.sequence_split else 1)
+        for entry in saved
+        if recompute in entry.kept_under
+    )
 
 
 def head_activations(
-    model: ModelConfig, vocab_size: int, tensor: int, bf16: bool, chunked_loss: bool = False
+    model: ModelConfig,
+    vocab_size: int,
+    tensor: int,
+    bf16: bool,
+    chunked_loss: bool = False,
+    sequence_parallel: bool = False,
 ) -> float:
     """Bytes per token the last stage keeps after the layers: the final norm's tensors and
     the loss's fp32 softmax over this rank's vocabulary (megatron's vocab-parallel cross
     entropy works in place on the fp32 logits; bf16 logits are dropped once copied). The
-    chunked loss (train.loss_chunk_tokens) keeps no logits: the labels (int64) instead."""
-    norm = sum(entry.bytes(bf16) for entry in norm_saved(model, "final_norm"))
+    chunked loss (train.loss_chunk_tokens) keeps no logits: the labels (int64) instead.
+    With `sequence_parallel` the norm's tensors are 1/tensor of the sequence's, and the
+    output GEMM keeps its all-gathered input (the whole sequence's) instead of the norm's
+    output."""
+    saved = norm_saved(model, "final_norm")
+    norm = sum(entry.bytes(bf16) for entry in saved)
+    if sequence_parallel:
+        output = saved[-1].bytes(bf16)  # norm_saved's last: the norm's output
+        norm = (norm - output) / tensor + output
     return norm + (8 if chunked_loss else vocab_size // tensor * 4)
 
 
@@ -259,12 +289,15 @@ def memory(
     last = stage == candidate.pipeline - 1
     # 1F1B: stage s holds the activations of up to (stages - s) micro-batches
     in_flight = min(candidate.pipeline - stage, candidate.accumulation)
-    per_layer = layer_activations(model, candidate.tensor, candidate.recompute, bf16)
+    split = candidate.sequence_parallel
+    per_layer = layer_activations(model, candidate.tensor, candidate.recompute, bf16, split)
     layer_activation = in_flight * tokens * layers * per_layer
     chunk = cfg.train.loss_chunk_tokens
     head = 0.0
     if last:
-        head = tokens * head_activations(model, vocab_size, candidate.tensor, bf16, chunk > 0)
+        head = tokens * head_activations(
+            model, vocab_size, candidate.tensor, bf16, chunk > 0, candidate.sequence_parallel
+        )
     if last and candidate.pipeline > 1:
         # DeepSpeed's pipeline engine keeps each stage's outputs in its pipe buffers, two
         # on the last stage: the logits of this micro-batch and of the one before; with
@@ -294,7 +327,7 @@ def memory(
     # loss's already freed
     transient = 0.0
     if candidate.recompute != "none":
-        whole = layer_activations(model, candidate.tensor, "none", bf16)
+        whole = layer_activations(model, candidate.tensor, "none", bf16, split)
         transient = tokens * (whole - per_layer)
         backward = max(backward, held + transient + weight_grad)
     # backward ends with every gradient and, for a tied embedding in one stage, two more
@@ -442,8 +475,10 @@ def step_time(
     machine.mfu of the peak, stretched by 1F1B's bubble ((m + p - 1) / m for m
     micro-batches over p stages). Communication, not overlapped with compute: per
     micro-batch and layer two all-reduces of the [seq, micro, hidden] activations forward
-    and two backward (Megatron's tensor parallelism without sequence parallelism; two more
-    with full recompute), belief's [seq, micro, 2] inner products; per step the gradient
+    and two backward (two more with full recompute; with sequence parallelism each is an
+    all-gather and a reduce-scatter: the same bytes), belief's [seq, micro, 2] inner
+    products (with sequence parallelism: the norms' and row-parallel biases' gradient sums,
+    a few vectors of the hidden size per layer, not counted); per step the gradient
     reduction over data parallelism (an all-reduce's volume; ZeRO-2 reduce-scatters every
     micro-batch, ZeRO-3 also gathers the weights for each forward and backward); the
     stage boundaries' activations and their gradients. A collective within a node runs at

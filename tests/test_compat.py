@@ -42,6 +42,35 @@ def test_megatron_linears_put_empty_extra_state_into_state_dicts(single_process_
     assert not any(k.endswith("._extra_state") for k in model.state_dict())
 
 
+def test_megatron_sequence_parallel_allocates_on_cuda_where_the_shim_says():
+    """compat.megatron_collectives_on_host: SEQUENCE_PARALLEL_MODULES are where megatron's
+    sequence-parallel paths allocate with torch.cuda.current_device() (drop the shim when
+    none does), and after it their torch's current device is the CPU on this host."""
+    import importlib
+
+    for name in compat.SEQUENCE_PARALLEL_MODULES:
+        source = inspect.getsource(importlib.import_module(name))
+        assert "torch.cuda.current_device()" in source, f"{name}: compat shim unneeded?"
+    compat.megatron_collectives_on_host()
+    for name in compat.SEQUENCE_PARALLEL_MODULES:
+        module = importlib.import_module(name)
+        assert module.torch.cuda.current_device() == torch.device("cpu")
+        assert module.torch.empty is torch.empty and module.torch.Tensor is torch.Tensor
+
+
+def test_megatron_embedding_forks_its_rng_tracker_under_sequence_parallel():
+    """compat.untracked_dropout_rng: megatron's embedding applies its dropout inside
+    get_cuda_rng_tracker().fork() under sequence parallelism; after the shim the fork is
+    a no-op here."""
+    from megatron.core.models.common.embeddings import language_model_embedding
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    assert "get_cuda_rng_tracker().fork()" in inspect.getsource(language_model_embedding)
+    compat.untracked_dropout_rng()
+    with get_cuda_rng_tracker().fork():
+        pass
+
+
 def test_deepspeed_lists_the_shm_op_it_may_build():
     import deepspeed.ops
 

@@ -80,6 +80,12 @@ def test_effective_config_round_trips(tmp_path):
         (["train.spike.action=halt"], "train.spike.action = 'halt': Input should be"),
         (["run.wandb.mode=cloud"], "run.wandb.mode = 'cloud': Input should be"),
         (["run.profile.steps=0"], "run.profile.steps = 0: Input should be greater than 0"),
+        (
+            ["parallel.tensor=4", "model.seq_length=130"],
+            "model.seq_length (130) is not divisible by parallel.tensor (4), which sequence "
+            "parallelism needs: set model.seq_length to a multiple of 4, parallel.tensor to "
+            "one of [2], or parallel.sequence_parallel=false",
+        ),
     ],
 )
 def test_errors_name_the_key(overrides, message):
@@ -145,3 +151,15 @@ def test_activation_checkpointing_modes_and_the_old_booleans():
         assert f"activation_checkpointing: {mode}\n" in cfg.to_yaml()
     with pytest.raises(ConfigError, match=r"train\.activation_checkpointing = 'partial'"):
         load_config("configs/tiny.yaml", ["train.activation_checkpointing=partial"])
+
+
+def test_sequence_parallel_is_on_whenever_tensor_parallel():
+    """parallel.sequence_parallel: unset is on at TP > 1; false turns it off (and lets a
+    sequence that does not divide over TP through); at TP=1 there is nothing to split."""
+    on = load_config("configs/tiny.yaml", ["parallel.tensor=2"]).parallel
+    assert on.sequence_parallel is None and on.sequence_parallel_on
+    off = ["parallel.tensor=4", "model.seq_length=130", "parallel.sequence_parallel=false"]
+    assert not load_config("configs/tiny.yaml", off).parallel.sequence_parallel_on
+    assert not load_config(
+        "configs/tiny.yaml", ["parallel.sequence_parallel=true"]
+    ).parallel.sequence_parallel_on

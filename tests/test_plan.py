@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from belief_lm import plan
 from belief_lm.cli import main
 from belief_lm.config import load_config
-from belief_lm.description import describe
+from belief_lm.description import describe, layer_saved
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.variants import VARIANTS
 
@@ -106,6 +106,53 @@ def test_the_chunked_loss_keeps_no_logits(dtype):
     predicted = plan.head_activations(cfg, VOCAB, 1, bf16, chunked_loss=True)
     assert predicted == pytest.approx(head, rel=0.03)
     assert head < VOCAB  # under a byte per vocabulary row (plain: 4, the fp32 softmax)
+
+
+def test_sequence_parallel_splits_what_lies_outside_the_tensor_parallel_region():
+    """With sequence parallelism a layer keeps 1/TP of its input, norms and residuals (the
+    description's sequence_split entries) and the rest as before: at the 8B's shape in
+    bf16 that is Korthikanti et al.'s split (10 of 34 units outside, 24 inside, scaled by
+    this code's tensors); the final norm's output is kept all-gathered, whole."""
+    model = load_config("configs/model/llama-8b.yaml").model
+    for tensor in (2, 4, 8):
+        saved = layer_saved(model, tensor, True)
+        split = sum(e.bytes(True) for e in saved if e.sequence_split and "none" in e.kept_under)
+        plain = plan.layer_activations(model, tensor, "none", True)
+        sequence_parallel = plan.layer_activations(model, tensor, "none", True, True)
+        assert split > 0
+        assert sequence_parallel == pytest.approx(plain - split * (1 - 1 / tensor))
+        full = plan.layer_activations(model, tensor, "full", True, True)  # the input alone
+        assert full == pytest.approx(plan.layer_activations(model, tensor, "full", True) / tensor)
+        head, head_split = (
+            plan.head_activations(model, 128_256, tensor, True, False, sp) for sp in (False, True)
+        )
+        assert head_split < head and head - head_split < 8 * model.hidden_size
+
+
+def test_plan_turns_sequence_parallel_on_per_layout(capsys):
+    """The planner runs each TP > 1 layout with sequence parallelism unless the config
+    turns it off; a sequence that does not divide over TP rules the layout out."""
+    args = ["plan", "--config", "configs/model/llama-1b.yaml", "--gpus", "8", "--gpu-memory-gb"]
+    args += ["80", "--json", "--top", "0", "train.global_batch_size=64"]
+    reports = []
+    for extra in ([], ["parallel.sequence_parallel=false"]):
+        assert main([*args, *extra]) == 0
+        reports.append(json.loads(capsys.readouterr().out)["estimates"])
+    on, off = ({_key(e): e for e in report} for report in reports)
+    assert on.keys() == off.keys()
+    for key, estimate in on.items():
+        assert estimate["candidate"]["sequence_parallel"] == (key[0] > 1)
+        assert not off[key]["candidate"]["sequence_parallel"]
+        smaller = estimate["memory"]["activations"] < off[key]["memory"]["activations"]
+        assert smaller == (key[0] > 1)
+    assert main([*args, "model.seq_length=2050"]) == 0  # 2050 = 2 x 1025: TP=2 only
+    tensors = {e["candidate"]["tensor"] for e in json.loads(capsys.readouterr().out)["estimates"]}
+    assert tensors == {1, 2}
+
+
+def _key(estimate: dict) -> tuple:
+    c = estimate["candidate"]
+    return c["tensor"], c["pipeline"], c["zero_stage"], c["micro_batch"], c["recompute"]
 
 
 def test_deepspeed_constants_are_deepspeeds():

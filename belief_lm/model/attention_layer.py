@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel import (
     RowParallelLinear,
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -168,7 +169,8 @@ class BeliefStarProjection(RowParallelLinear):
     Input is [Δ_r, Δ^s_r] concatenated on the last dim. W^o is `weight` (the name softmax's
     linear_proj uses) and W^s is `w_s.weight`; each is sharded over the same head split, so a
     TP=2 checkpoint merges into a TP=1 one by plain concatenation. The two partial products
-    are summed before the single all-reduce: by two GEMMs and an add, or with `fused`
+    are summed before the single all-reduce (a reduce-scatter over the sequence under
+    sequence parallelism, as megatron's W^o does): by two GEMMs and an add, or with `fused`
     (model.fused_output_projection) by one GEMM against [W^o | W^s] (JointProjection): the
     same sum up to rounding, the same parameters.
     """
@@ -184,7 +186,10 @@ class BeliefStarProjection(RowParallelLinear):
         else:
             delta, delta_s = input_.chunk(2, dim=-1)
             partial = F.linear(delta, self.weight) + F.linear(delta_s, self.w_s.weight)
-        output = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
         if self.skip_bias_add:
             return output, self.bias
         return (output if self.bias is None else output + self.bias), None

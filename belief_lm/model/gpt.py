@@ -11,7 +11,13 @@ split over ranks. megatron's CPU initialisation draws each full weight and keeps
 rank's shard, so tensor parallelism does not change them either.
 
 Layout convention (megatron's): activations are [seq, batch, hidden]; tokens and labels
-are [batch, seq].
+are [batch, seq]. With sequence parallelism (parallel.sequence_parallel, megatron's
+TransformerConfig.sequence_parallel) the activations between the attention and MLP blocks
+are [seq / TP, batch, hidden]: the embedding scatters its output over the tensor-parallel
+ranks, the column-parallel linears all-gather their input, the row-parallel ones
+reduce-scatter their output, the output layer all-gathers the final norm's. The attention
+family's sequence-wide statistics are computed inside the attention block, where every
+rank holds the whole sequence, so their math does not change.
 
 Decoding: `BeliefLM.forward(tokens, cache=model.decode_cache())` feeds tokens that continue
 what the cache holds (positions go on from there) and returns their logits; the cache's
@@ -29,13 +35,14 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import ColumnParallelLinear, copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
+from belief_lm import compat
 from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, rotary_angles
 from belief_lm.compat import ColumnLinear, RowLinear
 from belief_lm.config import ModelConfig
@@ -45,18 +52,26 @@ from belief_lm.model.attention_layer import (
     HeadNorm,
     core_attention_spec,
 )
-from belief_lm.model.loss import LossTerms, chunked_lm_loss, lm_loss
+from belief_lm.model.loss import LossTerms, chunked_lm_loss, lm_loss, tensor_parallel_input
+from belief_lm.parallel.collectives import sum_sequence_parallel_grads
 from belief_lm.runtime import derived_seed
 
 
-def transformer_config(cfg: ModelConfig, tensor_parallel: int = 1) -> TransformerConfig:
-    """megatron's TransformerConfig for our model config.
+def transformer_config(
+    cfg: ModelConfig, tensor_parallel: int = 1, sequence_parallel: bool = False
+) -> TransformerConfig:
+    """megatron's TransformerConfig for our model config; `sequence_parallel`
+    (parallel.sequence_parallel, resolved) counts only at tensor_parallel > 1.
 
     Fusions that need apex/TransformerEngine stay off (they are CUDA-only and optional);
     pipeline_model_parallel_size stays 1 because DeepSpeed owns the pipeline (otherwise
     TransformerLayer offsets layer numbers by the pipeline rank).
     """
     swiglu = cfg.activation == "swiglu"
+    sequence_parallel = sequence_parallel and tensor_parallel > 1
+    if sequence_parallel:
+        compat.megatron_collectives_on_host()
+        compat.untracked_dropout_rng()
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -72,6 +87,7 @@ def transformer_config(cfg: ModelConfig, tensor_parallel: int = 1) -> Transforme
         attention_dropout=0.0,
         init_method_std=cfg.init_std,
         tensor_model_parallel_size=tensor_parallel,
+        sequence_parallel=sequence_parallel,
         pipeline_model_parallel_size=1,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
@@ -88,6 +104,7 @@ def decoder_layer_spec(cfg: ModelConfig, recompute: str = "none") -> ModuleSpec:
     """megatron's local GPT layer spec with our core attention (and W^s for belief_star);
     `recompute` is train.activation_checkpointing (selective: the core attention's)."""
     spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HiddenNorm
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = core_attention_spec(
         cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.compile == "projections",
@@ -104,6 +121,44 @@ def decoder_layer_spec(cfg: ModelConfig, recompute: str = "none") -> ModuleSpec:
         # specs and sums their gradients in finalize_model_grads, which HeadNorm does itself
         attention.q_layernorm = attention.k_layernorm = HeadNorm
     return spec
+
+
+class _SequenceSplitNorm:
+    """A hidden-state norm whose weights may be used on a part of the sequence only: under
+    sequence parallelism each rank normalizes its own [seq / TP, batch, hidden], so its
+    weights' gradients are that part's. They then carry megatron's `sequence_parallel`
+    mark, by which sum_sequence_parallel_grads sums them over the tensor-parallel group
+    (megatron's finalize_model_grads does it by the same mark)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False):
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = sequence_parallel
+
+
+class RMSNorm(_SequenceSplitNorm, torch.nn.RMSNorm):
+    """torch's RMSNorm, sequence-parallel aware (_SequenceSplitNorm)."""
+
+
+class LayerNorm(_SequenceSplitNorm, torch.nn.LayerNorm):
+    """torch's LayerNorm, sequence-parallel aware (_SequenceSplitNorm)."""
+
+
+def hidden_norm_class(config: TransformerConfig) -> type[torch.nn.Module]:
+    """The norm of the hidden states (the layers' two and the final one): LayerNorm or
+    RMSNorm as megatron's local spec picks them, built with (hidden_size, eps=...,
+    sequence_parallel=config.sequence_parallel)."""
+    return RMSNorm if config.normalization == "RMSNorm" else LayerNorm
+
+
+class HiddenNorm:
+    """hidden_norm_class's norm as megatron's layer spec builds a norm, from (config,
+    hidden_size, eps): the role of megatron's WrappedTorchNorm, which refuses sequence
+    parallelism."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+        norm_class = hidden_norm_class(config)
+        return norm_class(hidden_size, eps=eps, sequence_parallel=config.sequence_parallel)
 
 
 @contextlib.contextmanager
@@ -193,8 +248,10 @@ class DecoderLayer(TransformerLayer):
     ) -> Tensor:
         rope, dim = None, self.config.kv_channels
         if self.rope_base is not None and decoding is None:
-            rope = rotary_frequencies(hidden_states.shape[0], dim, self.rope_base,
-                                      hidden_states.device)  # fmt: skip
+            seq_len = hidden_states.shape[0]  # this rank's part under sequence parallelism
+            if self.config.sequence_parallel:
+                seq_len *= self.config.tensor_model_parallel_size
+            rope = rotary_frequencies(seq_len, dim, self.rope_base, hidden_states.device)
         elif self.rope_base is not None:  # each row's own positions: [seq, batch, 1, dim]
             rope = rotary_angles(decoding[1].positions.t(), dim, self.rope_base).unsqueeze(2)
         if decoding is None:  # (training's path, compiled: no context variable in it)
@@ -210,16 +267,12 @@ class DecoderLayer(TransformerLayer):
         return output
 
 
-def final_norm_class(config: TransformerConfig) -> type[torch.nn.Module]:
-    """torch's LayerNorm or RMSNorm, as megatron's local spec uses in the layers; built
-    with (hidden_size, eps=layernorm_epsilon)."""
-    return torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
-
-
-def vocab_parallel_logits(hidden: Tensor, weight: Tensor) -> Tensor:
-    """Logits for this rank's vocabulary shard: the input is replicated over TP ranks, so
-    its gradient is summed over them (megatron's copy-to-TP region) before the matmul."""
-    return F.linear(copy_to_tensor_model_parallel_region(hidden), weight)
+def vocab_parallel_logits(
+    hidden: Tensor, weight: Tensor, sequence_parallel: bool = False
+) -> Tensor:
+    """Logits for this rank's vocabulary shard of the whole sequence (loss.tensor_parallel_input:
+    `hidden` all-gathered under sequence parallelism, else its gradient summed over TP)."""
+    return F.linear(tensor_parallel_input(hidden, sequence_parallel), weight)
 
 
 class OutputLayer(ColumnParallelLinear):
@@ -255,11 +308,16 @@ class OutputLayer(ColumnParallelLinear):
         self, hidden: Tensor, tied_weight: Tensor | None = None, labels: Tensor | None = None
     ) -> Tensor | LossTerms:
         weight = self.weight if tied_weight is None else tied_weight
+        sequence_parallel = self.sequence_parallel
         if labels is None:
-            return vocab_parallel_logits(hidden, weight)
+            return vocab_parallel_logits(hidden, weight, sequence_parallel)
         if self.loss_chunk_tokens:
-            return chunked_lm_loss(hidden, weight, labels, self.loss_chunk_tokens, self.z_loss)
-        return lm_loss(vocab_parallel_logits(hidden, weight), labels, self.z_loss)
+            return chunked_lm_loss(
+                hidden, weight, labels, self.loss_chunk_tokens, self.z_loss, sequence_parallel
+            )
+        return lm_loss(
+            vocab_parallel_logits(hidden, weight, sequence_parallel), labels, self.z_loss
+        )
 
 
 def stage_seed(seed: int, stage_index: int) -> int:
@@ -271,8 +329,11 @@ class BeliefLM(MegatronModule):
     """The whole model in one process (tensor parallelism inside the layers). The pipeline
     (belief_lm/model/pipeline.py) is built from the same parts with the same seeds.
     `recompute` (train.activation_checkpointing) and `loss_chunk_tokens`
-    (train.loss_chunk_tokens) change how training computes, never the result; `z_loss`
-    (train.z_loss) adds the z-loss to the objective, reported by get_additional_losses."""
+    (train.loss_chunk_tokens) change how training computes, never the result, and so does
+    `sequence_parallel` (parallel.sequence_parallel, resolved); `z_loss` (train.z_loss)
+    adds the z-loss to the objective, reported by get_additional_losses. Decoding with a
+    cache needs sequence parallelism off (evaluation and generation build the model
+    without it: it changes no weight)."""
 
     def __init__(
         self,
@@ -284,8 +345,9 @@ class BeliefLM(MegatronModule):
         recompute: str = "none",
         loss_chunk_tokens: int = 0,
         z_loss: float = 0.0,
+        sequence_parallel: bool = False,
     ):
-        config = transformer_config(model, tensor_parallel)
+        config = transformer_config(model, tensor_parallel, sequence_parallel)
         super().__init__(config=config)
         self.model_config = model
         self.embedding = TokenEmbedding(config, model, vocab_size, stage_seed(seed, 0))
@@ -293,13 +355,14 @@ class BeliefLM(MegatronModule):
             DecoderLayer(config, model, i + 1, stage_seed(seed, i + 1), recompute)
             for i in range(model.num_layers)
         )
-        self.final_norm = final_norm_class(config)(config.hidden_size, eps=config.layernorm_epsilon)
+        self.final_norm = HiddenNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
         self.output_layer = OutputLayer(
             config, vocab_size, model.tie_embeddings, stage_seed(seed, model.num_layers + 1),
             loss_chunk_tokens, z_loss,
         )  # fmt: skip
         self.z_loss = z_loss
         self.last_z_loss = torch.zeros(())  # of the last forward given labels
+        sum_sequence_parallel_grads(self)
 
     def forward(
         self, tokens: Tensor, labels: Tensor | None = None, cache: DecodeCache | None = None
@@ -312,6 +375,8 @@ class BeliefLM(MegatronModule):
             for layer in self.layers:
                 hidden = layer(hidden)
         else:
+            if self.config.sequence_parallel:
+                raise ValueError("decoding with a cache needs sequence parallelism off")
             step = cache.step(torch.ones_like(tokens, dtype=torch.bool))
             hidden = self.embedding(tokens, step.positions)
             for layer, layer_cache in zip(self.layers, cache.layers, strict=True):

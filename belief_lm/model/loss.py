@@ -33,7 +33,10 @@ from megatron.core.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
-from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from megatron.core.tensor_parallel.utils import VocabUtility
 from torch import Tensor
@@ -103,6 +106,18 @@ class CrossEntropyAndLogSumExp(torch.autograd.Function):
         return grad, None
 
 
+def tensor_parallel_input(hidden: Tensor, sequence_parallel: bool = False) -> Tensor:
+    """The output layer's input [seq, batch, hidden], the whole sequence on every
+    tensor-parallel rank. Replicated (`hidden` itself): its gradient is summed over the ranks
+    in backward (megatron's copy to the TP region). Under sequence parallelism `hidden` is
+    this rank's [seq / TP, batch, hidden]: all-gathered, its gradient reduce-scattered."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=True, group=get_tensor_model_parallel_group()
+        )
+    return copy_to_tensor_model_parallel_region(hidden)
+
+
 def lm_loss(logits: Tensor, labels: Tensor, z_loss: float = 0.0) -> LossTerms:
     """The mean next-token cross entropy of vocab-parallel logits [seq, batch, vocab / TP]
     against labels [batch, seq], computed in fp32, over the labels that are not
@@ -115,13 +130,19 @@ def lm_loss(logits: Tensor, labels: Tensor, z_loss: float = 0.0) -> LossTerms:
 
 
 def chunked_lm_loss(
-    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, z_loss: float = 0.0
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    chunk_tokens: int,
+    z_loss: float = 0.0,
+    sequence_parallel: bool = False,
 ) -> LossTerms:
     """lm_loss of the logits hidden [seq, batch, hidden] x weight [vocab / TP, hidden]^T,
     computed `chunk_tokens` tokens at a time and recomputed in backward. `hidden` is
-    replicated over the tensor-parallel ranks, as for vocab_parallel_logits."""
-    # once for all chunks: backward sums hidden's gradient over TP ranks in one all-reduce
-    hidden = copy_to_tensor_model_parallel_region(hidden).flatten(0, 1)
+    replicated over the tensor-parallel ranks, or with `sequence_parallel` this rank's
+    [seq / TP, batch, hidden] (tensor_parallel_input)."""
+    # once for all chunks: one all-reduce (or reduce-scatter) of hidden's gradient
+    hidden = tensor_parallel_input(hidden, sequence_parallel).flatten(0, 1)
     labels = labels.t().reshape(-1)  # token order of `hidden`: sequence-major
     sums = hidden.new_zeros(2, dtype=torch.float32)
     for part, targets in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens), strict=True):

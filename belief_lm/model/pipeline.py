@@ -33,18 +33,20 @@ from belief_lm.model.gpt import (
     DecoderLayer,
     OutputLayer,
     TokenEmbedding,
-    final_norm_class,
+    hidden_norm_class,
     stage_seed,
     transformer_config,
     vocab_parallel_logits,
 )
 from belief_lm.model.loss import chunked_lm_loss, lm_loss
+from belief_lm.parallel.collectives import sum_sequence_parallel_grads
 
 TIED_KEY = "embedding"
 
 
 def _tied_output(embedding: TokenEmbedding, hidden: Tensor) -> Tensor:
-    return vocab_parallel_logits(hidden, embedding.word_embeddings.weight)
+    weight, sequence_parallel = embedding.word_embeddings.weight, embedding.config.sequence_parallel
+    return vocab_parallel_logits(hidden, weight, sequence_parallel)
 
 
 def _tied_loss_inputs(embedding: TokenEmbedding, hidden: Tensor) -> tuple[Tensor, Tensor]:
@@ -66,15 +68,26 @@ class BeliefPipeline(PipelineModule):
     micro-batch get_additional_losses reports (on every stage: the engine asks each for
     the names it will receive)."""
 
-    def __init__(self, *, loss_chunk_tokens: int = 0, z_loss: float = 0.0, **pipeline):
+    def __init__(
+        self,
+        *,
+        loss_chunk_tokens: int = 0,
+        z_loss: float = 0.0,
+        sequence_parallel: bool = False,
+        **pipeline,
+    ):
         super().__init__(loss_fn=self.loss, **pipeline)
         self.loss_chunk_tokens, self.z_loss = loss_chunk_tokens, z_loss
+        self.sequence_parallel = sequence_parallel
         self.last_z_loss = torch.zeros(())
 
     def loss(self, outputs, labels: Tensor) -> Tensor:
         if self.loss_chunk_tokens:
             hidden, weight = outputs
-            terms = chunked_lm_loss(hidden, weight, labels, self.loss_chunk_tokens, self.z_loss)
+            terms = chunked_lm_loss(
+                hidden, weight, labels, self.loss_chunk_tokens, self.z_loss,
+                self.sequence_parallel,
+            )  # fmt: skip
         else:
             terms = lm_loss(outputs, labels, self.z_loss)
         self.last_z_loss = terms.z_loss
@@ -91,17 +104,22 @@ def layer_specs(
     seed: int,
     chunked: bool = False,
     recompute: str = "none",
+    sequence_parallel: bool = False,
 ) -> list:
     """[embedding, layer 1..L, final norm, output] as DeepSpeed layer specs; `chunked`: the
     output stage returns (hidden, weight) for a chunked loss instead of logits; `recompute`:
-    train.activation_checkpointing."""
-    config = transformer_config(model, tensor_parallel)
+    train.activation_checkpointing; `sequence_parallel`: parallel.sequence_parallel,
+    resolved (the stages then pass [seq / TP, batch, hidden] between them)."""
+    config = transformer_config(model, tensor_parallel, sequence_parallel)
     embedding_args = (TokenEmbedding, config, model, vocab_size, stage_seed(seed, 0))
     layers = [
         LayerSpec(DecoderLayer, config, model, i + 1, stage_seed(seed, i + 1), recompute)
         for i in range(model.num_layers)
     ]
-    norm = LayerSpec(final_norm_class(config), config.hidden_size, eps=config.layernorm_epsilon)
+    norm = LayerSpec(
+        hidden_norm_class(config), config.hidden_size, eps=config.layernorm_epsilon,
+        sequence_parallel=config.sequence_parallel,
+    )  # fmt: skip
     if model.tie_embeddings:
         weight = "word_embeddings.weight"
         output = _tied_loss_inputs if chunked else _tied_output
@@ -123,21 +141,31 @@ def build_pipeline(
     loss_chunk_tokens: int = 0,
     recompute: str = "none",
     z_loss: float = 0.0,
+    sequence_parallel: bool = False,
 ) -> PipelineModule:
     """This rank's stage of the pipelined model; decoder layers are balanced over stages.
     `loss_chunk_tokens` is train.loss_chunk_tokens, `recompute`
-    train.activation_checkpointing, `z_loss` train.z_loss. The output stage's copy of a
+    train.activation_checkpointing, `z_loss` train.z_loss, `sequence_parallel`
+    parallel.sequence_parallel (resolved). The output stage's copy of a
     tied embedding is marked `pipeline_duplicate`: sums over the whole model (parameter
     count, gradient norm) must not count it twice."""
     stage = BeliefPipeline(
         layers=layer_specs(
-            model, vocab_size, tensor_parallel, seed, loss_chunk_tokens > 0, recompute
+            model,
+            vocab_size,
+            tensor_parallel,
+            seed,
+            loss_chunk_tokens > 0,
+            recompute,
+            sequence_parallel,
         ),
         topology=topology,
         partition_method="type:DecoderLayer",
         loss_chunk_tokens=loss_chunk_tokens,
         z_loss=z_loss,
+        sequence_parallel=sequence_parallel and tensor_parallel > 1,
     )
+    sum_sequence_parallel_grads(stage)
     if stage.stage_id > 0:
         for name, param in stage.named_parameters():
             param.pipeline_duplicate = name.startswith("tied_modules.")

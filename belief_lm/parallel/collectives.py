@@ -58,6 +58,30 @@ class SumOverRanks(torch.autograd.Function):
         return None, total
 
 
+def sum_sequence_parallel_grads(model: torch.nn.Module) -> None:
+    """Sum over the tensor-parallel group, in backward, the gradient of every parameter of
+    `model` marked `sequence_parallel` (megatron's mark: the hidden norms' weights and the
+    row-parallel linears' biases under sequence parallelism). Those weights are replicated
+    over the group but each rank uses them on its own part of the sequence, so each rank's
+    gradient is only its part's. megatron's finalize_model_grads all-reduces them before
+    the optimizer step; DeepSpeed does not. A hook on each such parameter sums each
+    gradient it receives before it is accumulated, so DeepSpeed (every ZeRO stage, the
+    pipeline engine) sees the whole sequence's gradient, as without sequence parallelism.
+    One small all-reduce per parameter and micro-batch, in the same order on every rank
+    (every rank runs the same backward graph)."""
+    from megatron.core.parallel_state import get_tensor_model_parallel_group
+
+    for param in model.parameters():
+        if getattr(param, "sequence_parallel", False):
+            param.register_hook(partial(_summed_over_group, get_tensor_model_parallel_group))
+
+
+def _summed_over_group(group_of: Callable[[], dist.ProcessGroup], grad: torch.Tensor):
+    total = grad.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(total, group=group_of())
+    return total
+
+
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where a tensor must be to go through `group`: NCCL reduces only CUDA tensors, gloo
     only CPU ones (a count or a loss total made on the host must move for NCCL)."""

@@ -41,6 +41,14 @@ def deepspeed_config(cfg: Config, accumulation: int, bf16: bool) -> dict:
         "bf16": {"enabled": bf16},
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "wall_clock_breakdown": False,
+        # The pipeline engine would send each stage boundary's tensor in 1/TP pieces, one
+        # per tensor-parallel rank, gathered on arrival: right for a tensor every rank
+        # holds whole, wrong for sequence parallelism's [seq / TP, batch, hidden], which
+        # differs per rank (each rank sends its own part, already 1/TP of the bytes).
+        "pipeline": {
+            "pipe_partitioned": not cfg.parallel.sequence_parallel_on,
+            "grad_partitioned": not cfg.parallel.sequence_parallel_on,
+        },
     }
 
 
@@ -142,6 +150,7 @@ def build_engine(
     execution = {
         "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
         "recompute": cfg.train.activation_checkpointing,
+        "sequence_parallel": cfg.parallel.sequence_parallel_on,
     }
     z_loss = cfg.train.z_loss  # part of the objective
     if pipelined:

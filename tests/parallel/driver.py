@@ -4,6 +4,7 @@
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --save-at K
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --resume CHECKPOINT
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --stability VARIANT[,..]
+    torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --gpt2 V[,..] --no-sp V[,..]
 
 Builds the engine exactly as training does (build_engine, through tests.models.engine_for) and runs
 a few steps with train_step, on data that depends only on (step, global sequence index),
@@ -13,7 +14,10 @@ of each step, the full gradient of every parameter just before each optimizer st
 parameters at the end, and each step's z-loss when train.z_loss is set. Writes
 OUT_DIR/<variant>-zero<stage>-rank<r>.pt. With --stability, the variants named there also
 train with model.qk_norm and train.z_loss (STABILITY; with --chunk N a chunked loss too),
-written as OUT_DIR/<variant>-stability-zero<stage>-rank<r>.pt.
+written as OUT_DIR/<variant>-stability-zero<stage>-rank<r>.pt. Likewise --gpt2 (GPT2: the
+LayerNorm / GELU / learned-positions / biases architecture, whose norm biases, position
+embeddings and row-parallel biases sequence parallelism also touches) and --no-sp
+(parallel.sequence_parallel=false), written as <variant>-gpt2-... and <variant>-nosp-....
 """
 
 from __future__ import annotations
@@ -44,6 +48,14 @@ from tests.models import engine_for  # noqa: E402
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
 STABILITY = ("model.qk_norm=true", "train.z_loss=0.01")
 """The stability options' runs: QK-norm and a z-loss large enough to move the gradients."""
+VARIATIONS = {
+    "gpt2": (
+        "model.normalization=LayerNorm", "model.activation=gelu", "model.bias=true",
+        "model.position_embedding=learned_absolute",
+    ),
+    "nosp": ("parallel.sequence_parallel=false",),
+}  # fmt: skip
+"""The other named runs (--gpt2, --no-sp): their config overrides."""
 
 
 def config(tp: int, pp: int, zero: int, variant: str, *overrides: str):
@@ -172,13 +184,16 @@ def main() -> None:
     init_distributed(detect(), device, timeout_s=300)
     save_at = int(options["--save-at"]) if "--save-at" in options else None
     steps = int(options.get("--steps", STEPS))
-    stability = [*STABILITY, f"train.loss_chunk_tokens={options.get('--chunk', 0)}"]
+    stability = (*STABILITY, f"train.loss_chunk_tokens={options.get('--chunk', 0)}")
+    variations = {"stability": stability, **VARIATIONS}
     for zero in zero_stages:  # one process group for all: start-up dominates on CPU
         for variant in variants:
             run(out_dir, tp, pp, zero, variant, save_at, options.get("--resume"), steps)
-        for variant in filter(None, options.get("--stability", "").split(",")):
-            name = f"{variant}-stability"
-            run(out_dir, tp, pp, zero, variant, overrides=tuple(stability), name=name, steps=steps)
+        for kind, overrides in variations.items():
+            option = "--no-sp" if kind == "nosp" else f"--{kind}"
+            for variant in filter(None, options.get(option, "").split(",")):
+                name = f"{variant}-{kind}"
+                run(out_dir, tp, pp, zero, variant, overrides=overrides, name=name, steps=steps)
     dist.barrier()
 
 

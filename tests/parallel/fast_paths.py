@@ -5,8 +5,10 @@ to TP=1), belief_star with an untied output layer: model.fused_output_projection
 rank's GEMM against its shards [W^o_r | W^s_r], then the one all-reduce),
 train.loss_chunk_tokens (the chunked loss over each rank's vocabulary shard) and
 model.compile=layer (each decoder layer, its tensor-parallel collectives included, through
-torch.compile and Inductor). Saves each rank's loss and gradients of every path, and
-torch.compile's graph and graph-break counts, to OUT.rank<r>."""
+torch.compile and Inductor); and sequence parallelism (parallel.sequence_parallel) with the
+plain path, each fast path and each recompute mode. Saves each rank's loss and gradients
+of every path, and torch.compile's graph and graph-break counts of the compiled paths
+without and with sequence parallelism, to OUT.rank<r>."""
 
 import sys
 import warnings
@@ -27,6 +29,12 @@ VOCAB, CHUNK, SEED = 256, 23, 3
 PATHS = {"plain": ({}, 0), "fused_output": ({"fused_output_projection": True}, 0)}
 PATHS |= {"chunked_loss": ({}, CHUNK), "compiled": ({"compile": "layer"}, 0)}
 """Name: (model options, train.loss_chunk_tokens)."""
+SEQUENCE_PARALLEL_PATHS = {f"sequence_parallel_{name}": path for name, path in PATHS.items()}
+SEQUENCE_PARALLEL_PATHS |= {
+    f"sequence_parallel_recompute_{mode}": ({}, 0, mode) for mode in ("selective", "full")
+}
+"""The same with sequence parallelism, and each recompute mode with it: name: (model
+options, train.loss_chunk_tokens[, train.activation_checkpointing])."""
 
 
 def tokens() -> torch.Tensor:
@@ -34,9 +42,14 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(0))
 
 
-def loss_and_grads(options: dict, chunk: int, tensor_parallel: int) -> tuple:
+def loss_and_grads(
+    options: dict, chunk: int, tensor_parallel: int, recompute: str = "none", **execution
+) -> tuple:
     cfg = tiny_model("belief_star", tie_embeddings=False, **options)
-    model = BeliefLM(cfg, VOCAB, tensor_parallel, seed=SEED, loss_chunk_tokens=chunk)
+    model = BeliefLM(
+        cfg, VOCAB, tensor_parallel, seed=SEED, loss_chunk_tokens=chunk, recompute=recompute,
+        **execution,
+    )  # fmt: skip
     rows = tokens()
     loss = model(rows[:, :-1], rows[:, 1:])
     loss.backward()
@@ -46,8 +59,12 @@ def loss_and_grads(options: dict, chunk: int, tensor_parallel: int) -> tuple:
 def main() -> None:
     init_distributed(detect(), select_device("cpu"), timeout_s=120)
     init_model_parallel(2, 1)
-    paths = {name: loss_and_grads(options, chunk, 2) for name, (options, chunk) in PATHS.items()}
-    graphs = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    paths = {name: loss_and_grads(*path, 2) for name, path in PATHS.items()}
+    graphs = [(counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))]
+    counters.clear()
+    for name, (options, chunk, *recompute) in SEQUENCE_PARALLEL_PATHS.items():
+        paths[name] = loss_and_grads(options, chunk, 2, *recompute, sequence_parallel=True)
+    graphs.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
     saved = {"paths": paths, "graphs_and_breaks": graphs}
     torch.save(saved, f"{sys.argv[1]}.rank{dist.get_rank()}")
 

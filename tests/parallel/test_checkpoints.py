@@ -38,6 +38,20 @@ def test_bit_exact_resume_zero2_tp2_dp2(zero2_run, tmp_path, cache_dir):
     assert [resumed[s] for s in (4, 5, 6)] == [losses[s] for s in (4, 5, 6)]
 
 
+def test_resume_across_sequence_parallel(zero2_run, tmp_path, cache_dir):
+    """zero2_run trains at TP=2 with sequence parallelism (the default there); its step-3
+    checkpoint resumes with it off at the same layout: it changes no weight or optimizer
+    state, so steps 4-6 give the same losses (up to the order of fp32 sums)."""
+    run_dir, layout, losses = zero2_run
+    step3 = run_dir / "checkpoints" / "step_000003"
+    off = "parallel.sequence_parallel=false"
+    resumed = train(4, tmp_path, cache_dir, *layout, off, f"checkpoint.resume={step3}")
+    assert list(resumed) == [4, 5, 6]
+    assert [resumed[s] for s in (4, 5, 6)] == pytest.approx(
+        [losses[s] for s in (4, 5, 6)], rel=1e-5
+    )
+
+
 def test_bit_exact_resume_tp2_pp2(tmp_path, cache_dir):
     layout = ["parallel.tensor=2", "parallel.pipeline=2", "checkpoint.interval=3"]
     losses = train(4, tmp_path / "a", cache_dir, *layout)
