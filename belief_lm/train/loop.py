@@ -32,7 +32,7 @@ from belief_lm.parallel.dims import Layout
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
 from belief_lm.preflight import Preflight, preflight
 from belief_lm.runtime import select_device
-from belief_lm.train import downstream, trainer_state
+from belief_lm.train import branch, downstream, trainer_state
 from belief_lm.train.diagnostics import belief_diagnostics
 from belief_lm.train.engine import TrainEngine, build_engine
 from belief_lm.train.metrics import Meter, MetricsLogger, format_scalars
@@ -236,6 +236,8 @@ class Trainer:
         checkpoints = trainer_state.checkpointer(cfg, engine.deepspeed)  # before a load: it reads
         if resume is not None and weights is None:
             start = trainer_state.restore(resume, cfg, engine.deepspeed, layout)
+            if resume.branch:  # another run's checkpoint: this config's schedule from here
+                branch.take_settings(engine.deepspeed, cfg.train)
             data.load_state_dict(trainer_state.load_data_state(resume))
         validation = []
         if cfg.train.eval_interval:
@@ -253,7 +255,8 @@ class Trainer:
             copy_model(tokenizer, run_dir / "tokenizer.model")  # the run dir is self-contained
             if resume is not None:
                 drop_metrics_after(run_dir, start)  # rows a crashed run logged past its save
-            record_start(run_dir, start, dist.get_world_size())
+            branched = resume is not None and resume.branch  # the branch's first start
+            record_start(run_dir, start, dist.get_world_size(), branched)
             return MetricsLogger.open(cfg, run_dir, resumed=resume is not None)
 
         metrics = on_rank_zero(open_sinks)
