@@ -14,6 +14,7 @@ from belief_lm.train.diagnostics import belief_diagnostics
 from belief_lm.train.layer_signals import GradientWatch
 from belief_lm.train.loop import train
 from tests.jobs import MICRO
+from tests.models import ModuleEngine
 
 
 def reference_max_logit(q, k, mixing, beta, scales, softmax_scale):
@@ -46,11 +47,6 @@ def test_max_logit_matches_each_score(mixing):
     assert float(found) == pytest.approx(reference_max_logit(q, k, mixing, 0.7, scales, 0.3))
 
 
-class _Engine:  # the part of DeepSpeed's engine the diagnostics use
-    def __init__(self, module):
-        self.module = module
-
-
 def test_forward_signals_match_direct_computation(single_process_group):
     cfg = load_config("configs/model/tiny.yaml", ["model.num_layers=2", "model.seq_length=16"])
     model = BeliefLM(cfg.model.model_copy(update={"attention": "belief_star"}), 256, seed=0)
@@ -62,7 +58,7 @@ def test_forward_signals_match_direct_computation(single_process_group):
         )
         for layer in model.layers
     ]
-    stats = belief_diagnostics(_Engine(model), tokens, tokens, pipelined=False)
+    stats = belief_diagnostics(ModuleEngine(model), tokens, tokens, pipelined=False)
     for hook in hooks:
         hook.remove()
     with torch.no_grad():
