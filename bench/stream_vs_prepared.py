@@ -58,15 +58,19 @@ ORDERS = {
     "prepared": None,  # data.sources=[prepared:DIR]
 }
 LONG = {"documents": 250, "median_chars": 4500}
+THREADS = 1
+"""Torch threads of each command (OMP_NUM_THREADS; --threads): runs side by side share the
+machine's cores without oversubscribing them."""
 
 
-def corpus_overrides(name: str, work: Path, tokenizer: Path) -> list[str]:
+def corpus_overrides(name: str, work: Path, tokenizer: Path, args) -> list[str]:
     """The data overrides of a corpus (writing its files first)."""
     if name == "embedded":
-        return ["data.validation_fraction=0.05", f"data.tokenizer.path={tokenizer}"]
+        held_out = args.embedded_validation_fraction
+        return [f"data.validation_fraction={held_out}", f"data.tokenizer.path={tokenizer}"]
     from corpora import long_document_rows, write_parquet
 
-    rows = long_document_rows(LONG["documents"], LONG["median_chars"])
+    rows = long_document_rows(args.long_documents, LONG["median_chars"])
     for f in range(4):
         write_parquet(work / "long" / f"{f:03d}.parquet", rows[f::4], 16)
     return [
@@ -104,8 +108,11 @@ def cli(*args: str) -> None:
         raise RuntimeError(f"{' '.join(args[:1])} failed:\n{done.stderr[-3000:]}")
 
 
-def train(run_dir: Path, overrides: list[str], args) -> float:
-    """One training run, a checkpoint every eval_interval steps; its wall seconds."""
+def train(run_dir: Path, overrides: list[str], args) -> float | None:
+    """One training run, a checkpoint every eval_interval steps; its wall seconds (None: a
+    finished run kept in --work, not trained again)."""
+    if args.work and (run_dir / "checkpoints" / f"step_{args.steps:06d}").is_dir():
+        return None
     started = time.perf_counter()
     cli(
         "train", "--config", CONFIG, f"run.output_dir={run_dir}",
@@ -185,9 +192,16 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--turn-window", type=int, default=100)
     parser.add_argument("--jobs", type=int, default=1, help="training runs at once")
+    parser.add_argument(
+        "--embedded-validation-fraction", type=float, default=0.05,
+        help="the embedded corpus's held-out share (more: shorter epochs)",
+    )  # fmt: skip
+    parser.add_argument("--long-documents", type=int, default=LONG["documents"])
+    parser.add_argument("--threads", type=int, default=THREADS, help="torch threads a run")
     parser.add_argument("--work", help="keep the corpora and runs here (default: a temporary dir)")
     parser.add_argument("--out", default="bench/results/stream_vs_prepared_cpu")
     args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # (every command's, inherited)
     from data_pipeline.build import build_tokenizer
     from data_pipeline.config import DataConfig
 
@@ -198,22 +212,23 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         runs, heldout, corpora = {}, {}, {}  # runs: (corpus, order) -> (directory, overrides)
         for name in args.corpora:
-            data = corpus_overrides(name, work, tokenizer)
+            data = corpus_overrides(name, work, tokenizer, args)
             heldout[name] = held_out(data, work / f"{name}-heldout.jsonl")
             corpora[name] = {"overrides": data, "orders": {}}
             for order in args.orders:
                 extra = ORDERS[order]
                 if extra is None:
                     prepared = work / f"{name}-prepared"
-                    cli("prepare", "--config", CONFIG, "--output", str(prepared), "--workers",
-                        "2", *data)  # fmt: skip
+                    if not (prepared / "train.idx").exists():  # (kept in --work)
+                        cli("prepare", "--config", CONFIG, "--output", str(prepared),
+                            "--workers", "2", *data)  # fmt: skip
                     extra = [f"data.sources=[prepared:{prepared}]"]
                 runs[(name, order)] = (work / f"{name}-{order.replace(' ', '-')}", [*data, *extra])
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             seconds = list(pool.map(lambda run: train(*run, args), runs.values()))
         for ((name, order), (run_dir, _)), wall in zip(runs.items(), seconds, strict=True):
             run = {
-                "wall_seconds": round(wall, 1),
+                "wall_seconds": wall and round(wall, 1),
                 **curve(run_dir, heldout[name], args.eval_batches),
             }
             run["rise_after_turns"] = rise_after_turns(run, args.turn_window)
@@ -223,14 +238,14 @@ def main() -> None:
         orders = corpus["orders"]
         if "streamed" in orders and "prepared" in orders:
             streamed, prepared = orders["streamed"], orders["prepared"]
+            evaluated = dict(zip(prepared["steps"], prepared["val_loss"], strict=True))
             gaps = [
-                round(a - b, 4)
-                for step, a, b in zip(streamed["steps"], streamed["val_loss"],
-                                      prepared["val_loss"], strict=True)
-                if step > WARMUP
-            ]  # fmt: skip
+                [step, round(loss - evaluated[step], 4)]
+                for step, loss in zip(streamed["steps"], streamed["val_loss"], strict=True)
+                if step > WARMUP and step in evaluated
+            ]  # (a run may save a checkpoint off the interval: steps both evaluated)
             corpus["gap_streamed_minus_prepared"] = gaps
-            corpus["largest_gap_after_warmup"] = max(gaps, key=abs, default=None)
+            corpus["largest_gap_after_warmup"] = max((g for _, g in gaps), key=abs, default=None)
         turns = next(iter(orders.values()))["epoch_turns"]
         epochs = len(turns) + (args.steps - turns[-1]) / turns[0] if turns else 0
         corpus["epochs"] = round(epochs, 2)
@@ -239,6 +254,8 @@ def main() -> None:
         "benchmark": "streamed vs prepared training of the same documents",
         "config": CONFIG, "steps": args.steps, "eval_interval": args.eval_interval,
         "eval_batches": args.eval_batches, "turn_window": args.turn_window, "jobs": args.jobs,
+        "threads": args.threads, "embedded_validation_fraction": args.embedded_validation_fraction,
+        "long_documents": args.long_documents,
         "corpora": corpora, "wall_seconds": round(time.perf_counter() - started),
         "plot": str(out.with_suffix(".png")),
     }  # fmt: skip

@@ -49,6 +49,7 @@ def test_run_directory_contents(tmp_path, cache_dir):
         assert row["grad_norm"] > 0 and row["tokens_per_s"] > 0
         assert row["tflops_per_device"] > 0 and row["memory_gb"] > 0 and row["data_wait_s"] >= 0
         assert row["data/padding"] == 0  # steps of the epoch's bulk: every slot a full window
+        assert row["data/documents_per_step"] >= 8  # each of a step's 8 windows its own
     assert (tmp_path / "tokenizer.model").stat().st_size > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -56,6 +57,7 @@ def test_run_directory_contents(tmp_path, cache_dir):
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4]
     assert [e.value for e in events.Scalars("train/data/padding")] == [0, 0]
+    assert len(events.Scalars("train/data/documents_per_step")) == 2
     assert (
         yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]["attention"]
         == "belief_star"
