@@ -200,6 +200,41 @@ def _attend(
     return _attend_pooled(q, k, v, scale, softmax_scale)
 
 
+def max_logit(
+    q: Tensor,
+    k: Tensor,
+    mixing: str,
+    *,
+    beta: float = 1.0,
+    head_scales: Sequence[int] = (),
+    softmax_scale: float | None = None,
+) -> Tensor:
+    """The largest pre-softmax score of `attention_heads` (queries [b, heads, s, d], keys
+    [b, groups, s, d]) over every head, query and key (or pooled slot) it may see, as the
+    variant defines it: q·k scaled (softmax), (q_i - βμ_i)·(k_j - βμ_i) scaled (Attention-BN,
+    eq. 26, μ_i the mean of the keys query i sees), against the keys pooled by each head's
+    scale (Attention-SH). Materializes a [s, s] score matrix per head: for diagnostics."""
+    heads, seq_len = q.shape[1], q.shape[2]
+    scales = list(head_scales) if mixing in ("sh", "bn_sh") else [1] * heads
+    k = heads_from_groups(k, heads)
+    factor = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    positions = torch.arange(seq_len, device=q.device)
+    largest = []
+    for scale in sorted(set(scales)):
+        idx = [i for i, s in enumerate(scales) if s == scale]
+        queries, keys = _wide(q[:, idx]), _wide(causal_pool(k[:, idx], scale, dim=2))
+        shift = 0.0
+        if mixing in ("bn", "bn_sh"):  # (q_i - βμ_i)·k_j - β(q_i - βμ_i)·μ_i
+            mean = causal_mean(keys, dim=2)[:, :, positions // scale]  # μ_i
+            queries = recentred_queries(queries, mean, beta)
+            shift = beta * (queries * mean).sum(-1, keepdim=True)
+        scores = queries @ keys.transpose(-1, -2) - shift
+        slots = torch.arange(keys.shape[2], device=q.device)
+        visible = slots[None, :] * scale <= positions[:, None]
+        largest.append((scores * factor).masked_fill(~visible, float("-inf")).amax())
+    return torch.stack(largest).amax()
+
+
 _CPU_FLASH_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
 """The CPU flash kernel takes enable_gqa (pytorch/pytorch#157893); before, math runs it."""
 

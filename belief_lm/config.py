@@ -380,6 +380,13 @@ class CheckpointConfig(Section):
     resume: str = "auto"
     """'auto': the newest intact checkpoint of run.output_dir, if any (damaged ones are
     skipped with a warning); 'never'; or the path of a checkpoint directory."""
+    branch: str | None = None
+    """The checkpoint of another run this run branches from (`belief-lm train --branch`,
+    belief_lm/train/branch.py): while run.output_dir has no checkpoint of its own, the run
+    starts from it as a resume would (weights, optimizer state, data position, step), with
+    this config's learning-rate schedule and optimizer settings; its model, data and
+    global batch must be the checkpoint's (exit 2 naming each key that differs). Needs
+    checkpoint.resume=auto."""
     async_save: bool = False
     """Write checkpoints in the background: a save copies the state to host memory (the
     only pause) and training continues while a thread per rank writes it; it is published

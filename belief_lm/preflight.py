@@ -48,6 +48,8 @@ class ResumeFrom:
     other_layout: bool
     trusted: bool = False
     """Whether files beyond what a checkpoint may hold are loaded (checkpoint.trust)."""
+    branch: bool = False
+    """Another run's checkpoint (checkpoint.branch): the run takes this config's schedule."""
 
 
 @dataclass(frozen=True)
@@ -206,9 +208,12 @@ def resume_from(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) ->
     a fresh start. With resume=auto a damaged checkpoint is passed over with a warning (and
     those in `skip`, found damaged already); a run directory with checkpoints but none
     intact is refused rather than started over."""
-    choice = cfg.checkpoint.resume
+    choice, branch = cfg.checkpoint.resume, cfg.checkpoint.branch
+    if branch is not None:
+        check_branch(cfg)
     if choice == "never":
         return None
+    branching = False
     if choice == "auto":
         root = checkpoint_root(cfg)
         path = newest_checkpoint(root, skip=skip)
@@ -219,7 +224,9 @@ def resume_from(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) ->
                     f"`belief-lm checkpoint verify {root}`); resume one by name to see why, "
                     "or start over with checkpoint.resume=never"
                 )
-            return None
+            if branch is None:
+                return None
+            path, branching = branch_checkpoint(cfg), True
     else:
         path = Path(choice).expanduser()
         found = problems(path) if path.is_dir() else []  # (read_info names a missing one)
@@ -228,6 +235,11 @@ def resume_from(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) ->
     info = read_info(path)
     check_same_run(cfg, path)
     trusted = cfg.checkpoint.trust
+    if branching and info.weights_only:
+        raise CheckpointError(
+            f"checkpoint.branch={path} holds weights alone (an import): a branch continues a "
+            "run's optimizer and data; start from it with checkpoint.resume instead"
+        )
     if info.weights_only:  # weights alone (an import): any layout loads them, nothing else
         return ResumeFrom(path, info, other_layout=False, trusted=trusted)
     zero = cfg.parallel.zero_stage
@@ -241,7 +253,31 @@ def resume_from(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) ->
             f"checkpoints, which need ZeRO stage 1 or 2 on both sides "
             f"(parallel.zero_stage={cfg.parallel.zero_stage})"
         )
-    return ResumeFrom(path, info, other_layout, trusted)
+    return ResumeFrom(path, info, other_layout, trusted, branching)
+
+
+def check_branch(cfg: Config) -> None:
+    """checkpoint.branch must name another run directory's checkpoint, with resume=auto."""
+    branch, choice = cfg.checkpoint.branch, cfg.checkpoint.resume
+    if choice != "auto":
+        raise BadInput(
+            f"checkpoint.branch={branch} starts this run from another run's checkpoint and "
+            f"needs checkpoint.resume=auto (not {choice!r})"
+        )
+    if Path(branch).expanduser().resolve().is_relative_to(checkpoint_root(cfg).resolve()):
+        raise BadInput(
+            f"checkpoint.branch={branch} is a checkpoint of this run (run.output_dir="
+            f"{cfg.run.output_dir}): a branch needs a run directory of its own"
+        )
+
+
+def branch_checkpoint(cfg: Config) -> Path:
+    """checkpoint.branch's checkpoint, intact (every file there with its size)."""
+    path = Path(cfg.checkpoint.branch).expanduser()
+    found = problems(path) if path.is_dir() else []  # (read_info names a missing one)
+    if found:
+        raise damaged(path, found)
+    return path
 
 
 def check_same_run(cfg: Config, path: Path) -> None:

@@ -108,3 +108,10 @@ def engine_for(cfg, layout, vocab_size: int, device=None, **options):
         cfg, layout, vocab_size, device, bf16=use_bf16(cfg.train.precision, device.type),
         accumulation=grad_accumulation_steps(cfg, layout.data), **options,
     )  # fmt: skip
+
+
+class ModuleEngine:
+    """The part of DeepSpeed's engine the diagnostics use: the model, as `module`."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module

@@ -88,6 +88,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if not takes_overrides:
         return args
     args.overrides = [*args.overrides, *rest]
+    if getattr(args, "branch", None):  # resume=auto: the branch's own checkpoints come first
+        args.overrides = ["checkpoint.resume=auto", *args.overrides]
+        args.overrides.append(f"checkpoint.branch={args.branch}")
     if getattr(args, "resume", None):
         args.overrides.append(f"checkpoint.resume={args.resume}")
     if getattr(args, "trust_checkpoint", False):

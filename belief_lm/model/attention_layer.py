@@ -47,8 +47,9 @@ DECODING: ContextVar[tuple[family.LayerCache, family.DecodeStep] | None] = Conte
 one call megatron's SelfAttention makes to the core attention (which has no argument to
 hand them over). Read only in evaluation mode."""
 CAPTURE: ContextVar[dict | None] = ContextVar("capture", default=None)
-"""While set to a dict (belief diagnostics): each layer's core attention stores its MH and V
-there under its layer number. Read only in evaluation mode."""
+"""While set to a dict (belief diagnostics): each layer's core attention stores its MH, V and
+largest pre-softmax score (attention.max_logit) there under its layer number. Read only in
+evaluation mode."""
 
 
 class FamilyCoreAttention(MegatronModule):
@@ -132,6 +133,14 @@ class FamilyCoreAttention(MegatronModule):
             captured[self.layer_number] = {
                 "mh": h.flatten(2).detach(),
                 "v": v_heads.flatten(2).detach(),
+                "max_logit": family.max_logit(
+                    q,
+                    k,
+                    self.mixing,
+                    beta=self.beta,
+                    head_scales=self.local_head_scales,
+                    softmax_scale=self.softmax_scale,
+                ),
             }
         return family.residual_signal(
             h, v_heads, self.residual, self.gamma, self.shard_sum, self.fused

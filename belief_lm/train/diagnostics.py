@@ -4,7 +4,9 @@ For every decoder layer, averaged over tokens: ||Δ|| / ||MH|| (Δ the global or
 residual of MH against V), and the cosine of the angle between the token X entering the
 layer and each of Δ W^o and MH W^o. For variants other than belief/belief_star, Δ is what
 belief-attention would have used. Tensor-parallel shards are summed; pipeline stages
-report their own layers and the results are gathered on every rank.
+report their own layers and the results are gathered on every rank. The same forward pass
+measures each layer's FORWARD signals (belief_lm/train/layer_signals.py): its largest
+pre-softmax attention score and the RMS of its output.
 """
 
 from __future__ import annotations
@@ -16,20 +18,27 @@ import torch.nn.functional as F
 from belief_lm.attention import global_orthogonal_residual
 from belief_lm.model.attention_layer import CAPTURE
 from belief_lm.model.gpt import DecoderLayer
+from belief_lm.train import layer_signals
 
 
 @torch.no_grad()
 def belief_diagnostics(engine, tokens: torch.Tensor, labels: torch.Tensor, pipelined: bool) -> dict:
-    """{'layer{n}/delta_over_mh': ..., 'layer{n}/cos_delta_wo_x': ..., 'layer{n}/cos_mh_wo_x'}
-    from one forward pass over (tokens, labels). Collective: every rank must call it."""
+    """{'layer{n}/delta_over_mh': ..., 'layer{n}/cos_delta_wo_x': ..., 'layer{n}/cos_mh_wo_x',
+    'layer{n}/max_logit', 'layer{n}/output_rms'} from one forward pass over (tokens,
+    labels). Collective: every rank must call it."""
     layers = [m for m in engine.module.modules() if isinstance(m, DecoderLayer)]
     inputs: dict[int, torch.Tensor] = {}
+    output_rms: dict[int, float] = {}
+
+    def keep_output(module, args, output):
+        output_rms[module.layer_number] = float(output.detach().float().square().mean().sqrt())
+
     hooks = [
         layer.register_forward_pre_hook(
             lambda module, args: inputs.__setitem__(module.layer_number, args[0].detach())
         )
         for layer in layers
-    ]
+    ] + [layer.register_forward_hook(keep_output) for layer in layers]
     captured: dict[int, dict] = {}  # layer number: its MH and V
     scope = CAPTURE.set(captured)
     was_training = engine.module.training
@@ -47,10 +56,13 @@ def belief_diagnostics(engine, tokens: torch.Tensor, labels: torch.Tensor, pipel
     results = {}
     for layer in layers:
         number = layer.layer_number
-        results.update(_layer_stats(layer, inputs[number], **captured[number]))
+        mine = captured[number]
+        results.update(_layer_stats(layer, inputs[number], mine["mh"], mine["v"]))
+        results[f"layer{number}/max_logit"] = float(mine["max_logit"])
+        results[f"layer{number}/output_rms"] = output_rms[number]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
-    return {k: v for part in gathered for k, v in part.items()}
+    return layer_signals.merge(gathered)
 
 
 def _layer_stats(layer: DecoderLayer, x: torch.Tensor, mh: torch.Tensor, v: torch.Tensor) -> dict:

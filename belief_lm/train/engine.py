@@ -68,6 +68,9 @@ class TrainEngine:
     """What the model computed beside the loss in the last train_step (z_loss with
     train.z_loss): this rank's mean over its micro-batches (a pipeline's: already averaged
     over data parallelism, as its loss), to `global_mean` like the loss."""
+    before_update: Callable[[], object] | None = None
+    """Called once the step's gradients are complete, before `screen` and the update (per-
+    layer gradient norms: belief_lm/train/layer_signals.py); not with a pipeline."""
 
     def train_step(
         self, micro_batches: Iterator, screen: Callable[[torch.Tensor], bool] | None = None
@@ -96,6 +99,8 @@ class TrainEngine:
             total = loss.detach() if total is None else total + loss.detach()
             for name, value in (engine.module.get_additional_losses() or {}).items():
                 self.reported[name] = self.reported.get(name, 0) + value / accumulation
+            if self.before_update is not None and micro == accumulation - 1:
+                self.before_update()
             if screen is not None and micro == accumulation - 1:
                 guard.veto = screen(total / accumulation)  # before the update
             engine.step()  # optimizer + scheduler step only at the accumulation boundary

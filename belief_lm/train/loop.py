@@ -32,7 +32,7 @@ from belief_lm.parallel.dims import Layout
 from belief_lm.parallel.setup import init_distributed, init_model_parallel
 from belief_lm.preflight import Preflight, preflight
 from belief_lm.runtime import select_device
-from belief_lm.train import downstream, trainer_state
+from belief_lm.train import branch, downstream, layer_signals, trainer_state
 from belief_lm.train.diagnostics import belief_diagnostics
 from belief_lm.train.engine import TrainEngine, build_engine
 from belief_lm.train.metrics import Meter, MetricsLogger, format_scalars
@@ -182,6 +182,8 @@ class Trainer:
     """The console's progress line or bar, on the rank that logs (None elsewhere)."""
     spike: Spike | None = None
     """The last step's loss spike, if it was one."""
+    spike_layers: tuple[dict, list] | None = None
+    """The last spike's per-layer gradient norms and the layers whose norm grew most."""
     step_loss: float | None = None
     """The last step's global mean loss, when spike detection already computed it."""
     lr: float = 0.0
@@ -190,6 +192,8 @@ class Trainer:
     """Seconds spent waiting for data, in all."""
     last_batch: tuple | None = None
     """The last micro-batch trained on (for diagnostics)."""
+    gradients: layer_signals.GradientWatch | None = None
+    """Per-layer gradient norms (diagnostics steps and spikes; none with a pipeline)."""
 
     @classmethod
     def build(cls, cfg: Config) -> Trainer:
@@ -236,6 +240,8 @@ class Trainer:
         checkpoints = trainer_state.checkpointer(cfg, engine.deepspeed)  # before a load: it reads
         if resume is not None and weights is None:
             start = trainer_state.restore(resume, cfg, engine.deepspeed, layout)
+            if resume.branch:  # another run's checkpoint: this config's schedule from here
+                branch.take_settings(engine.deepspeed, cfg.train)
             data.load_state_dict(trainer_state.load_data_state(resume))
         validation = []
         if cfg.train.eval_interval:
@@ -253,7 +259,8 @@ class Trainer:
             copy_model(tokenizer, run_dir / "tokenizer.model")  # the run dir is self-contained
             if resume is not None:
                 drop_metrics_after(run_dir, start)  # rows a crashed run logged past its save
-            record_start(run_dir, start, dist.get_world_size())
+            branched = resume is not None and resume.branch  # the branch's first start
+            record_start(run_dir, start, dist.get_world_size(), branched)
             return MetricsLogger.open(cfg, run_dir, resumed=resume is not None)
 
         metrics = on_rank_zero(open_sinks)
@@ -281,7 +288,7 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step; returns this rank's mean loss (a device tensor). Raises
         DataFault (on every rank, before training) if a data source failed."""
-        self.spike, self.step_loss = None, None
+        self.spike, self.step_loss, self.spike_layers = None, None, None
         with self.profiler.step(self.step + 1):
             waited = time.perf_counter()
             batches = self.data.next_step()  # the whole step, or a DataFault on every rank
@@ -289,8 +296,11 @@ class Trainer:
             self.last_batch = batches[-1]
             self.lr = self.engine.deepspeed.get_lr()[0]  # this step's rate (the schedule moves on)
             screen = None if self.spikes is None else self.judge_loss
+            self.watch_gradients(self.step + 1)
             with self.timer.measuring():
                 loss = self.engine.train_step(iter(batches), screen)
+            if self.gradients is not None:
+                self.gradients.step_done()
         self.step += 1
         self.consumed_tokens += self.meter.tokens_per_step
         return loss
@@ -300,18 +310,35 @@ class Trainer:
         data parallelism: every rank judges the same global mean); True: skip the update."""
         self.step_loss = self.engine.global_mean(loss)  # host-device sync, every step
         self.spike = self.spikes.check(self.step + 1, self.step_loss)
+        if self.spike is not None and self.gradients is not None:  # every rank alike
+            self.spike_layers = self.gradients.spike_report()  # before the update
         return self.spike is not None and self.cfg.train.spike.action == "skip"
+
+    def watch_gradients(self, step: int) -> None:
+        """Measure the per-layer gradient norms before the update of `step` if it is a
+        diagnostics step (not with a pipeline, whose engine updates inside train_batch)."""
+        if self.engine.pipelined:
+            return
+        if self.gradients is None:
+            self.gradients = layer_signals.GradientWatch(self.engine.deepspeed.module)
+        interval = self.cfg.run.diagnostics_interval
+        due = bool(interval) and step % interval == 0
+        self.engine.before_update = self.gradients.measure if due else None
 
     def report_spike(self, spike: Spike) -> None:
         """A metrics row (prefix `spike`) and a warning line for a loss spike."""
         if self.metrics is None:
             return
         skipped = self.engine.update_vetoed
-        self.metrics.log(spike.step, spike.scalars(skipped), prefix="spike")
+        norms, grown = self.spike_layers or ({}, [])
+        scalars = spike.scalars(skipped) | norms | {f"grew/{name}": r for name, r in grown}
+        self.metrics.log(spike.step, scalars, prefix="spike")
         log.warning(
             "step %d: loss spike %.4g, %.1f deviations above the median %.4g of the last %d "
-            "steps%s", spike.step, spike.loss, spike.score, spike.median, spike.history,
+            "steps%s%s", spike.step, spike.loss, spike.score, spike.median, spike.history,
             "; update skipped" if skipped else "",
+            "; gradient norm grew most in " + ", ".join(f"{n} (x{r:.3g})" for n, r in grown)
+            if grown else "",
         )  # fmt: skip
 
     def due(self, interval: int, at_end: bool = True) -> bool:
@@ -368,8 +395,11 @@ class Trainer:
         tokens, labels = self.last_batch
         engine = self.engine
         stats = belief_diagnostics(engine.deepspeed, tokens, labels, engine.pipelined)
+        signals = {k: stats.pop(k) for k in list(stats) if layer_signals.is_forward_signal(k)}
+        signals.update({} if self.gradients is None else self.gradients.reference)
         if self.metrics is not None:
             self.metrics.log(self.step, stats, prefix="belief", jsonl="diagnostics.jsonl")
+            self.metrics.log(self.step, signals, prefix="layers")  # metrics.jsonl
 
     def state_dict(self) -> dict:
         """This rank's state beyond the engine's and the data's: its RNG states, and the

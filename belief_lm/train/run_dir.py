@@ -10,16 +10,21 @@ from pathlib import Path
 
 from belief_lm.config import Config
 from belief_lm.runtime import environment_record
+from belief_lm.train.branch import parent_record
 
 
 def prepare_run_dir(cfg: Config, write: bool = True) -> Path:
     """Create run.output_dir with config.yaml (every effective value) and environment.json
-    (git commit, library versions, hardware, command). Only the writing rank writes."""
+    (git commit, library versions, hardware, command; for a branch, "branch_of": its
+    parent, branch.parent_record). Only the writing rank writes."""
     run_dir = Path(cfg.run.output_dir).expanduser()
     if write:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-        (run_dir / "environment.json").write_text(json.dumps(environment_record(), indent=2))
+        environment = environment_record()
+        if cfg.checkpoint.branch is not None:
+            environment["branch_of"] = parent_record(cfg.checkpoint.branch)
+        (run_dir / "environment.json").write_text(json.dumps(environment, indent=2))
     return run_dir
 
 
@@ -28,14 +33,17 @@ STARTS = "starts.jsonl"
 it resumed), "time", "world_size", "git_commit", "host"}, and for a restart in place after
 a failure (launch.failure_restarts) "restart": {"restart": k, "of": N, "cause": "rank
 died" | "rank failed" | "peer lost", "rank", "host", "signal" or "exit_code", and "silent":
-the ranks a peer-lost report named}; `belief-lm report` counts the resumes from it."""
+the ranks a peer-lost report named}; the start of a branch (checkpoint.branch) has
+"branch_of": its parent {"checkpoint", "run_dir", "step", "git_commit"}; `belief-lm
+report` counts the resumes from it."""
 RESTART_VARIABLE = "BELIEF_LM_RESTART"
 """Where the launcher (`launch local`, the sbatch template) that restarted the ranks in
 place puts the restart's cause (JSON) for this record (launcher.local.RESTART_VARIABLE)."""
 
 
-def record_start(run_dir: Path, step: int, world_size: int) -> None:
-    """Append this start of the run to `run_dir/starts.jsonl`."""
+def record_start(run_dir: Path, step: int, world_size: int, branched: bool = False) -> None:
+    """Append this start of the run to `run_dir/starts.jsonl`; `branched`: it starts from
+    its parent's checkpoint (environment.json's "branch_of")."""
     environment = json.loads((run_dir / "environment.json").read_text())
     record = {
         "step": step,
@@ -44,6 +52,8 @@ def record_start(run_dir: Path, step: int, world_size: int) -> None:
         "git_commit": environment["git_commit"],
         "host": environment["host"],
     }
+    if branched:
+        record["branch_of"] = environment["branch_of"]
     restart = os.environ.get(RESTART_VARIABLE)
     if restart:
         try:

@@ -82,7 +82,7 @@ def verified_resume(plan: ResumeFrom | None, cfg: Config, dims: ParallelDims) ->
             log.info("verified checkpoint %s in %.1f s", plan.path, time.perf_counter() - started)
             return plan
         error = damaged(plan.path, found)
-        if cfg.checkpoint.resume != "auto":
+        if cfg.checkpoint.resume != "auto" or plan.branch:  # a branch: no other parent
             raise error
         log.warning("%s; skipping it for an older checkpoint", error)
         # this one and the newer ones (pre-flight found and reported those) are passed over

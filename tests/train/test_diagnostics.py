@@ -7,18 +7,14 @@ from belief_lm.config import load_config
 from belief_lm.model.attention_layer import CAPTURE
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.train.diagnostics import belief_diagnostics
-
-
-class _Engine:  # the part of DeepSpeed's engine the diagnostics use
-    def __init__(self, module):
-        self.module = module
+from tests.models import ModuleEngine
 
 
 def test_matches_direct_computation(single_process_group):
     cfg = load_config("configs/model/tiny.yaml", ["model.num_layers=2", "model.seq_length=16"])
     model = BeliefLM(cfg.model.model_copy(update={"attention": "belief"}), 256, seed=0)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    stats = belief_diagnostics(_Engine(model), tokens, tokens, pipelined=False)
+    stats = belief_diagnostics(ModuleEngine(model), tokens, tokens, pipelined=False)
     assert model.training  # restored
 
     # recompute layer 2's numbers by hand from MH, V and the input to layer 2

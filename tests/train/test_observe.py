@@ -136,7 +136,12 @@ def test_a_spike_is_logged_and_its_update_skipped_or_applied(observed):
     assert spikes[6]["spike_skipped"] == 1.0
     assert same_weights(weights(run_dir, 6), weights(run_dir, 5))
     assert not same_weights(weights(run_dir, 7), weights(run_dir, 6))
-    assert any(re.fullmatch(r"step 6: loss spike .*; update skipped", x) for x in log)
+    # the loss (x30) spikes every layer's gradient: the two layers, measured against the
+    # last diagnostics step's norms (layer_signals), are named with their growth
+    grew = r"; gradient norm grew most in layer\d \(x[\d.]+\), layer\d \(x[\d.]+\)"
+    assert any(re.fullmatch(rf"step 6: loss spike .*; update skipped{grew}", x) for x in log)
+    assert sorted(k for k in spikes[6] if k.startswith("grew/")) == ["grew/layer1", "grew/layer2"]
+    assert all(spikes[6][f"grew/layer{n}"] > 5 for n in (1, 2)) and spikes[6]["layer1/grad_norm"]
     # action=log (the default): only logged; the spiked step's update was applied
     assert spikes[9]["spike_skipped"] == 0.0
     assert not same_weights(weights(run_dir, 9), weights(run_dir, 8))
