@@ -13,6 +13,12 @@ own or the embedding's; its gradient comes from the loss_fn's backward like any 
 (a tied one is then summed across stages as usual). The weight is used outside its
 module's forward, which only ZeRO-3 would mind, and pipelines run ZeRO 0-1.
 
+Under model.attention_mask=document a stage hands the next (hidden states, document ends):
+DeepSpeed's stage boundary takes a tuple whose last element is a boolean mask (sent as
+half precision, received back as bool, never given a gradient) once the engine is told
+(`set_has_attention_mask`, build_engine); every stage derives the documents from the
+marks. Shapes stay static: the marks are [micro-batch, seq] like the tokens.
+
 Parameter names differ from BeliefLM's only by prefix; `canonical_name` maps them.
 """
 
@@ -68,12 +74,13 @@ def layer_specs(
     seed: int,
     chunked: bool = False,
     recompute: str = "none",
+    eos_id: int | None = None,
 ) -> list:
     """[embedding, layer 1..L, final norm, output] as DeepSpeed layer specs; `chunked`: the
     output stage returns (hidden, weight) for a chunked loss instead of logits; `recompute`:
-    train.activation_checkpointing."""
+    train.activation_checkpointing; `eos_id`: the tokenizer's EOS (document masks)."""
     config = transformer_config(model, tensor_parallel)
-    embedding_args = (TokenEmbedding, config, model, vocab_size, stage_seed(seed, 0))
+    embedding_args = (TokenEmbedding, config, model, vocab_size, stage_seed(seed, 0), eos_id)
     layers = [
         LayerSpec(DecoderLayer, config, model, i + 1, stage_seed(seed, i + 1), recompute)
         for i in range(model.num_layers)
@@ -99,10 +106,12 @@ def build_pipeline(
     seed: int,
     loss_chunk_tokens: int = 0,
     recompute: str = "none",
+    eos_id: int | None = None,
 ) -> PipelineModule:
     """This rank's stage of the pipelined model; decoder layers are balanced over stages.
     `loss_chunk_tokens` is train.loss_chunk_tokens, `recompute`
-    train.activation_checkpointing. The output stage's copy of a tied embedding is marked
+    train.activation_checkpointing, `eos_id` the tokenizer's EOS (where documents end under
+    model.attention_mask=document). The output stage's copy of a tied embedding is marked
     `pipeline_duplicate`: sums over the whole model (parameter count, gradient norm) must
     not count it twice."""
     loss_fn = lm_loss
@@ -110,7 +119,7 @@ def build_pipeline(
         loss_fn = functools.partial(_chunked_loss, chunk_tokens=loss_chunk_tokens)
     stage = PipelineModule(
         layers=layer_specs(
-            model, vocab_size, tensor_parallel, seed, loss_chunk_tokens > 0, recompute
+            model, vocab_size, tensor_parallel, seed, loss_chunk_tokens > 0, recompute, eos_id
         ),
         topology=topology,
         loss_fn=loss_fn,

@@ -119,11 +119,13 @@ def build_engine(
     accumulation: int,
     load_universal: bool = False,
     weights: dict[str, torch.Tensor] | None = None,
+    eos_id: int | None = None,
 ) -> TrainEngine:
     """Build this rank's model (or pipeline stage) and wrap it in DeepSpeed's engine.
     `bf16` and `accumulation` are pre-flight's (preflight.Preflight); `load_universal`: the
     checkpoint to resume from is in DeepSpeed's universal format; `weights`: whole tensors
-    (BeliefLM's names) to start from instead of the seeded init."""
+    (BeliefLM's names) to start from instead of the seeded init; `eos_id`: the tokenizer's
+    EOS, where documents end under model.attention_mask=document."""
     import deepspeed  # imported after select_device set the accelerator
 
     from belief_lm.model.pipeline import build_pipeline, canonical_name
@@ -135,6 +137,7 @@ def build_engine(
     execution = {
         "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
         "recompute": cfg.train.activation_checkpointing,
+        "eos_id": eos_id,
     }
     if pipelined:
         model = build_pipeline(
@@ -165,6 +168,8 @@ def build_engine(
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu
     )
+    if pipelined and cfg.model.attention_mask == "document":
+        engine.set_has_attention_mask(True)  # stages hand on (hidden, document ends: bool)
     return TrainEngine(engine, guard, parameters, pipelined)
 
 
