@@ -32,26 +32,36 @@ def run_driver(
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Path:
-    """Single-process (TP=PP=DP=1) records of every variant."""
+    """Single-process (TP=PP=DP=1) records of every variant, under the causal and the
+    document mask."""
     from belief_lm.variants import VARIANTS
 
-    return run_driver(tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, list(VARIANTS))
+    every = list(VARIANTS)
+    return run_driver(
+        tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, every, "--documents", ",".join(every)
+    )
 
 
 @pytest.fixture(scope="session")
 def tp2(tmp_path_factory) -> Path:
-    """TP=2 records of every variant (one torchrun: start-up dominates on CPU)."""
+    """TP=2 records of every variant under both masks (one torchrun: start-up dominates on
+    CPU)."""
     from belief_lm.variants import VARIANTS
 
-    return run_driver(tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, list(VARIANTS))
+    every = list(VARIANTS)
+    return run_driver(
+        tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, every, "--documents", ",".join(every)
+    )
 
 
 @pytest.fixture(scope="session")
 def tp2_pp2_dp2(tmp_path_factory) -> Path:
     """belief_star records at TP=2 x PP=2 x DP=2 (ZeRO-1), checkpointed after its last step
-    (8 processes: one run serves the equivalence and the change-of-layout tests)."""
+    (8 processes: one run serves the equivalence and the change-of-layout tests), and
+    belief_star's and attention_bn_sh's under the document mask."""
     out = tmp_path_factory.mktemp("tp2pp2dp2")
-    return run_driver(out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3")
+    documents = ["--documents", "belief_star,attention_bn_sh"]
+    return run_driver(out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3", *documents)
 
 
 def load_run(out_dir: Path, variant: str, zero: int) -> dict:

@@ -3,13 +3,17 @@
     torchrun --nproc_per_node=N tests/parallel/driver.py OUT TP PP ZERO[,ZERO..] VARIANT[,VARIANT..]
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --save-at K
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --resume CHECKPOINT
+    torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --documents VARIANT[,..]
 
 Builds the engine exactly as training does (build_engine, through tests.models.engine_for) and runs
 a few steps with train_step, on data that depends only on (step, global sequence index),
 so every layout sees the same global batch. Records on every rank: the global-batch loss
 of each step, the full gradient of every parameter just before each optimizer step
 (ZeRO fragments and TP shards gathered, pipeline names mapped to BeliefLM's), and the full
-parameters at the end. Writes OUT_DIR/<variant>-zero<stage>-rank<r>.pt.
+parameters at the end. Writes OUT_DIR/<variant>-zero<stage>-rank<r>.pt. With --documents,
+the variants named there also train under model.attention_mask=document, on the same
+table with an EOS (DOCUMENT_END) closing documents of 1 to 6 tokens, written as
+OUT_DIR/<variant>-documents-zero<stage>-rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from belief_lm.train import trainer_state  # noqa: E402
 from tests.models import engine_for  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
+DOCUMENT_END = 2
+"""The EOS id of the document-masked runs (a trained tokenizer's)."""
 
 
 def config(tp: int, pp: int, zero: int, variant: str, *overrides: str):
@@ -60,9 +66,12 @@ class GlobalBatches:
     fixed random table, and DP rank r takes rows r*GA*M .. (r+1)*GA*M - 1 of each step.
     Its state (the next step) does not depend on the layout, so it resumes on any."""
 
-    def __init__(self, accumulation: int, steps: int = 64):
+    def __init__(self, accumulation: int, steps: int = 64, documents: bool = False):
         gen = torch.Generator().manual_seed(0)
         self.table = torch.randint(0, VOCAB, (steps * GLOBAL_BATCH, SEQ + 1), generator=gen)
+        if documents:  # about one token in four an EOS: several documents in every window
+            ends = torch.rand(self.table.shape, generator=gen) < 0.25
+            self.table = self.table.masked_fill(ends, DOCUMENT_END)
         self.accumulation, self.step, self.micro = accumulation, 0, 0
 
     def __iter__(self):
@@ -99,9 +108,11 @@ def run(
     layout = init_model_parallel(tp, pp)
     # the synthetic data below resumes at any data-parallel size: only the weights' checks
     plan = resume_from(cfg, ParallelDims(dist.get_world_size(), tp, pp))
-    trainee = engine_for(cfg, layout, VOCAB, load_universal=plan is not None and plan.other_layout)
+    universal = plan is not None and plan.other_layout
+    trainee = engine_for(cfg, layout, VOCAB, load_universal=universal, eos_id=DOCUMENT_END)
     engine = trainee.deepspeed
-    data = GlobalBatches(engine.gradient_accumulation_steps())
+    documents = cfg.model.attention_mask == "document"
+    data = GlobalBatches(engine.gradient_accumulation_steps(), documents=documents)
     first = 0
     if plan is not None:
         first = trainer_state.restore(plan, cfg, engine, layout)
@@ -163,9 +174,14 @@ def main() -> None:
     init_distributed(detect(), device, timeout_s=300)
     save_at = int(options["--save-at"]) if "--save-at" in options else None
     steps = int(options.get("--steps", STEPS))
+    documents = options.get("--documents", "").split(",")
     for zero in zero_stages:  # one process group for all: start-up dominates on CPU
         for variant in variants:
             run(out_dir, tp, pp, zero, variant, save_at, options.get("--resume"), steps)
+        for variant in filter(None, documents):
+            overrides = ("model.attention_mask=document",)
+            name = f"{variant}-documents"
+            run(out_dir, tp, pp, zero, variant, overrides=overrides, name=name, steps=steps)
     dist.barrier()
 
 

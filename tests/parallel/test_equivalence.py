@@ -15,11 +15,30 @@ def test_tensor_parallel_every_variant(reference, tp2, variant):
     assert_equivalent(load_run(tp2, variant, 1), load_run(reference, variant, 1))
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tensor_parallel_document_mask(reference, tp2, variant):
+    """model.attention_mask=document at TP=2 (each rank's heads, the documents alike on
+    both) against one process, every variant."""
+    name = f"{variant}-documents"
+    assert_equivalent(load_run(tp2, name, 1), load_run(reference, name, 1))
+    causal = load_run(reference, variant, 1)["losses"]
+    assert load_run(reference, name, 1)["losses"][0] != pytest.approx(causal[0], abs=1e-4)
+
+
 def test_belief_star_tp2_pp2_dp2(reference, tp2_pp2_dp2):
     """Tensor and pipeline parallel together (with data parallel and ZeRO-1 on top: the
     run the change-of-layout tests resume from, so TP=2 x PP=2 needs no run of its own)."""
     run = load_run(tp2_pp2_dp2, "belief_star", 1)
     assert_equivalent(run, load_run(reference, "belief_star", 1))
+
+
+@pytest.mark.parametrize("variant", ["belief_star", "attention_bn_sh"])
+def test_document_mask_tp2_pp2_dp2(reference, tp2_pp2_dp2, variant):
+    """The document mask through pipeline stages (the boundary carrying the marks of where
+    documents end, as DeepSpeed's boolean last element) at TP=2 x PP=2 x DP=2, against one
+    process: belief_star and Attention-BN-SH (running statistics)."""
+    name = f"{variant}-documents"
+    assert_equivalent(load_run(tp2_pp2_dp2, name, 1), load_run(reference, name, 1))
 
 
 @pytest.fixture(scope="module")
