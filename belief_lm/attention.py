@@ -333,11 +333,12 @@ def _attend_documents(
     softmax_scale: float | None,
     docs: Documents,
 ) -> Tensor:
-    """_attend with each document of a row on its own: the keys a query sees, their mean
-    (Attention-BN) and their slots (Attention-SH) restart at its document's first token.
-    Pooled keys stay one per token (`document_pool`), a query seeing only its document's
-    tokens that complete a slot: the same slots as the document alone would pool."""
-    if scale > 1:
+    """_attend with each document of a row on its own, by document_kernel's kernel: the
+    keys a query sees, their mean (Attention-BN) and their slots (Attention-SH) restart at
+    its document's first token."""
+    if document_kernel(q.device) == "bins":
+        return documents_in_bins(q, k, v, mixing, beta, scale, softmax_scale, docs)
+    if scale > 1:  # the slots stay one per token, those that complete a slot seen
         k, v = document_pool(k, scale, docs), document_pool(v, scale, docs)
     if mixing in ("bn", "bn_sh"):
         mean = document_mean(k, scale, docs)
@@ -346,18 +347,82 @@ def _attend_documents(
     return document_softmax(q, k, v, docs.starts, slot_ends, softmax_scale)
 
 
-DOCUMENT_KERNELS = ("flex", "dense")
-"""How document-masked softmax can run: FlexAttention with a block mask (blocks outside
-every document skipped; compiled on CUDA), or SDPA with a dense [b, s, s] boolean mask
-(every block computed; on the CPU its flash kernel takes the mask, on CUDA only the math
-and efficient kernels do)."""
+DOCUMENT_KERNELS = ("flex", "bins", "dense")
+"""How attention within documents can run:
+- bins: every document of the batch alone, through the causal path (`_attend`), documents
+  of similar length padded to a common length (`bin_widths`) and computed together, one
+  causal SDPA (flash) call per length: each document's own work, a little more for
+  padding; the calls sized on the host (a host sync);
+- flex: FlexAttention with a block mask (the blocks no query of a block sees skipped),
+  compiled (Triton on CUDA), on the keys and slots the masked math prepares
+  (document_pool, document_mean);
+- dense: SDPA with the whole [b, s, s] boolean mask over the same, every block computed
+  (twice causal attention's work). On the CPU SDPA's flash kernel takes a mask; on CUDA a
+  mask sends SDPA to its efficient or math kernel."""
+
+MIN_BIN = 16
+"""The shortest padded length of the bins kernel: shorter documents share its call."""
 
 
 def document_kernel(device: torch.device) -> str:
-    """The kernel of DOCUMENT_KERNELS for `device`: flex on CUDA (a dense mask would send
-    SDPA to its math or efficient kernel there); dense elsewhere (FlexAttention has no
-    backward on the CPU, and its forward there needs Inductor)."""
-    return "flex" if device.type == "cuda" and _HAS_FLEX else "dense"
+    """The kernel of DOCUMENT_KERNELS that runs on `device`: flex on CUDA; on the CPU bins
+    (FlexAttention has no backward there), or dense inside torch.compile (bins sizes its
+    calls on the host: data-dependent shapes would break the graph at every layer).
+    Measured in bench/document_mask.py."""
+    if device.type == "cuda" and _HAS_FLEX:
+        return "flex"
+    return "dense" if torch.compiler.is_compiling() else "bins"
+
+
+def documents_in_bins(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mixing: str,
+    beta: float,
+    scale: int,
+    softmax_scale: float | None,
+    docs: Documents,
+) -> Tensor:
+    """The bins kernel (DOCUMENT_KERNELS): every document of the batch through `_attend`
+    alone, padded after its last token (where causal attention, the running key mean and
+    the pooled slots a real token sees cannot reach), documents of one padded length in one
+    call. The tokens are gathered into the bins, and the results back, by one index_select
+    each (whose backward is one index_add)."""
+    b, heads, seq_len, d = q.shape
+    flat = [x.transpose(1, 2).reshape(b * seq_len, x.shape[1], d) for x in (q, k, v)]
+    starts = torch.nonzero(docs.positions.flatten() == 0).flatten()
+    lengths = torch.diff(starts, append=starts.new_tensor([b * seq_len]))
+    widths = bin_widths(lengths)
+    bins = widths.unique().tolist()  # host sync: the calls' sizes
+    gather, real = [], []
+    for width in bins:
+        offsets = torch.arange(width, device=q.device)
+        chosen = widths == width
+        gather.append((starts[chosen, None] + offsets).clamp_max(b * seq_len - 1).flatten())
+        real.append((offsets < lengths[chosen, None]).flatten())
+    gather, real = torch.cat(gather), torch.cat(real)
+    binned = [x.index_select(0, gather) for x in flat]
+    sizes = [int(n) * w for n, w in zip(torch.bincount(widths)[bins].tolist(), bins, strict=True)]
+    outputs = []
+    for width, *parts in zip(bins, *(x.split(sizes) for x in binned), strict=True):
+        q_bin, k_bin, v_bin = (x.view(-1, width, *x.shape[1:]).transpose(1, 2) for x in parts)
+        h = _attend(q_bin, k_bin, v_bin, mixing, beta, scale, softmax_scale)
+        outputs.append(h.transpose(1, 2).reshape(-1, heads, d))
+    rows = torch.nonzero(real).flatten()  # the real tokens' rows among the bins' outputs
+    source = torch.empty_like(rows).index_copy_(0, gather[rows], rows)  # token -> its row
+    out = torch.cat(outputs).index_select(0, source)
+    return out.view(b, seq_len, heads, d).transpose(1, 2)
+
+
+def bin_widths(lengths: Tensor) -> Tensor:
+    """The padded length of documents of `lengths` in the bins kernel: at least MIN_BIN,
+    rounded up to the next 2^n or 1.5 x 2^n (at most 1.5 x the length: about 2.25 x its
+    attention's work, 1.25 x on average)."""
+    lengths = lengths.clamp_min(MIN_BIN)
+    power = lengths.double().log2().floor().exp2().long()  # 2^n <= length
+    half = power + power // 2
+    return torch.where(lengths <= power, power, torch.where(lengths <= half, half, 2 * power))
 
 
 def document_softmax(
@@ -371,8 +436,8 @@ def document_softmax(
 ) -> Tensor:
     """softmax(q k^T) v for queries [b, heads, s, d] and keys/values [b, groups, s, d]
     where query i sees key j iff starts[b, i] <= j <= i (and slot_ends[b, j], if given);
-    `kernel` one of DOCUMENT_KERNELS (default: document_kernel's for q's device)."""
-    kernel = kernel or document_kernel(q.device)
+    `kernel` flex or dense (default: flex on CUDA, see DOCUMENT_KERNELS)."""
+    kernel = kernel or ("flex" if document_kernel(q.device) == "flex" else "dense")
     if kernel == "dense":
         mask = visible_keys(starts, slot_ends).unsqueeze(1)
         return _sdpa(q, k, v, attn_mask=mask, scale=softmax_scale)
