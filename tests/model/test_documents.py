@@ -76,10 +76,17 @@ def packed_against_alone(variant: str, arch: str, mask: str = "document") -> tup
     return logit_error, grad_error
 
 
-@pytest.mark.parametrize(("variant", "arch"), VARIANTS_AND_ARCHITECTURES)
-def test_a_packed_window_computes_each_document_alone(variant, arch):
+KERNEL_CASES = [(v, a, "bins") for v, a in VARIANTS_AND_ARCHITECTURES] + [
+    ("attention_bn_sh", "llama", "dense"), ("attention_sh", "gpt2", "dense"),
+]  # fmt: skip
+"""Every variant by the CPU's kernel, the running statistics by the masked math too."""
+
+
+@pytest.mark.parametrize(("variant", "arch", "kernel"), KERNEL_CASES)
+def test_a_packed_window_computes_each_document_alone(variant, arch, kernel, monkeypatch):
     """Every variant, RoPE and learned positions: logits within fp32 rounding, and the
     gradient of the whole window the sum of its documents' gradients."""
+    monkeypatch.setattr(family, "document_kernel", lambda device: kernel)
     logit_error, grad_error = packed_against_alone(variant, arch)
     assert logit_error < 2e-5 and grad_error < 2e-5, (logit_error, grad_error)
 
@@ -122,7 +129,9 @@ MUTATIONS = {
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
 def test_mutations_are_caught(mutation, monkeypatch):
-    """Each way to get documents wrong, applied to the code, fails the comparison."""
+    """Each way to get documents wrong, applied to the code, fails the comparison (the
+    masked math's kernel: the bins kernel runs the causal math on each document alone)."""
+    monkeypatch.setattr(family, "document_kernel", lambda device: "dense")
     variant, arch, module, name, mutate = MUTATIONS[mutation]
     assert max(packed_against_alone(variant, arch)) < 2e-5  # right before the mutation
     monkeypatch.setattr(module, name, mutate(getattr(module, name)))
