@@ -47,13 +47,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-try:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    _HAS_FLEX = True
-except ImportError:  # torch < 2.5: document masks use the dense kernel everywhere
-    _HAS_FLEX = False
-
 ShardSum = Callable[[Tensor], Tensor]
 """Sums a tensor over the tensor-parallel ranks that hold the other heads (identity at TP=1).
 Its backward must also be a sum over ranks: every rank's output depends on the total."""
@@ -369,7 +362,7 @@ def document_kernel(device: torch.device) -> str:
     (FlexAttention has no backward there), or dense inside torch.compile (bins sizes its
     calls on the host: data-dependent shapes would break the graph at every layer).
     Measured in bench/document_mask.py."""
-    if device.type == "cuda" and _HAS_FLEX:
+    if device.type == "cuda":
         return "flex"
     return "dense" if torch.compiler.is_compiling() else "bins"
 
@@ -446,9 +439,15 @@ def document_softmax(
         seen = (j <= i) & (j >= starts[b, i])
         return seen if slot_ends is None else seen & slot_ends[b, j]
 
+    # imported here: the Hugging Face export ships this file, and may meet a torch without it
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
     rows, _, seq_len, _ = q.shape
-    block_mask = create_block_mask(visible, rows, None, seq_len, seq_len, device=q.device)
-    attend = _compiled(flex_attention) if q.is_cuda else flex_attention  # eager: a reference
+    # compiled on CUDA: the block mask without a [b, s, s] mask in memory, and fused kernels
+    # (eager, elsewhere, flex is the reference the tests hold the dense mask to)
+    make_mask = _compiled(create_block_mask) if q.is_cuda else create_block_mask
+    block_mask = make_mask(visible, rows, None, seq_len, seq_len, device=q.device)
+    attend = _compiled(flex_attention) if q.is_cuda else flex_attention
     gqa = k.shape[1] != q.shape[1]
     return attend(q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=gqa)
 

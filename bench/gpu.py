@@ -77,6 +77,7 @@ OPTION_SETS = {
     "tuned": FAST_PATHS,  # all of them
     "foreach_adamw": ["train.adamw_kernel=foreach"],
     "documents": ["model.attention_mask=document"],  # on documents of DOCUMENT_TOKENS
+    "documents_compiled": ["model.attention_mask=document", "model.compile=layer"],
 }
 """Named option sets, for `--option NAME`; each a list of config overrides."""
 DOCUMENT_END, DOCUMENT_TOKENS = 2, 256

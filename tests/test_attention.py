@@ -320,11 +320,11 @@ def test_document_kernel_by_device(monkeypatch):
     """CUDA: FlexAttention (a dense mask would send SDPA to its math or efficient kernel);
     the CPU: bins, or the dense mask while torch.compile traces (bins' host-sized calls
     would break the graph)."""
-    assert fam.document_kernel(torch.device("cuda")) == ("flex" if fam._HAS_FLEX else "bins")
+    assert fam.document_kernel(torch.device("cuda")) == "flex"
     assert fam.document_kernel(torch.device("cpu")) == "bins"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert fam.document_kernel(torch.device("cpu")) == "dense"
-    assert fam.document_kernel(torch.device("cuda")) == ("flex" if fam._HAS_FLEX else "dense")
+    assert fam.document_kernel(torch.device("cuda")) == "flex"  # compiles with the layer
 
 
 def test_bins_pad_by_at_most_half():
