@@ -19,13 +19,13 @@ tensors (`Saved`) are counted per token on one tensor-parallel rank. Who reads t
 
 Adding a model option touches this module once: its weights go into `layer_weights` (or
 `embedding_weights` / `head_weights`), each with its shape, split and Hugging Face name,
-and what its forward keeps into `layer_saved`. QK-norm, say, is two replicated entries
-of head_dim (`self_attention.q_layernorm.weight`, `k_layernorm`; Hugging Face
-`self_attn.q_norm.weight`, `k_norm`) and the two norms' kept tensors; sequence
-parallelism changes no weight, only the `Saved` entries outside the tensor-parallel
-region (the norms' and the layer input's elements split over TP ranks); a document mask
-or z-loss changes neither. Then the option is built in model/ and in the HF modeling
-file, and the test holds both to the entries.
+and what its forward keeps into `layer_saved`. QK-norm (model.qk_norm), say, is two
+replicated entries of head_dim (`self_attention.q_layernorm.weight`, `k_layernorm`;
+Hugging Face `self_attn.q_norm.weight`, `k_norm`) and the two norms' kept tensors;
+sequence parallelism changes no weight, only the `Saved` entries outside the
+tensor-parallel region (the norms' and the layer input's elements split over TP ranks); a
+document mask or z-loss changes neither. Then the option is built in model/ and in the HF
+modeling file, and the test holds both to the entries.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ class Weight:
     """The weight of a matrix multiply (6 training FLOPs per weight and token): linear
     layers, the output layer or the embedding tied to it."""
     in_llama: bool = True
-    """A Llama has it (import-hf takes it from one); False: the variant's own (belief_star's
-    W^s), which an import initialises as a fresh model does."""
+    """A Llama has it (import-hf takes it from one); False: an option's own (belief_star's
+    W^s, the QK-norms), which an import initialises as a fresh model does when its source
+    lacks it."""
 
     def shard_shape(self, tensor: int) -> tuple[int, ...]:
         """Its shape on one of `tensor` TP ranks."""
@@ -148,9 +149,10 @@ def embedding_weights(model: ModelConfig, vocab_size: int) -> tuple[Weight, ...]
 
 def layer_weights(model: ModelConfig) -> tuple[Weight, ...]:
     """One decoder layer's, named within it: the two norms, attention's QKV (column-parallel
-    over KV groups) and output projection W^o (row-parallel; belief_star's W^s beside it),
-    the MLP's fc1 (column-parallel; SwiGLU's [gate; up] by stride 2) and fc2 (row-parallel);
-    biases follow their matmul's rows, a row-parallel one replicated."""
+    over KV groups), the QK-norms (model.qk_norm; replicated) and output projection W^o
+    (row-parallel; belief_star's W^s beside it), the MLP's fc1 (column-parallel; SwiGLU's
+    [gate; up] by stride 2) and fc2 (row-parallel); biases follow their matmul's rows, a
+    row-parallel one replicated."""
     hidden, ffn, head_dim = model.hidden_size, model.ffn_size, model.head_dim
     heads, groups = model.num_attention_heads, model.query_groups
     q, kv = heads * head_dim, groups * head_dim
@@ -165,6 +167,12 @@ def layer_weights(model: ModelConfig) -> tuple[Weight, ...]:
         *linear(model, "self_attention.linear_proj", (HFPart("self_attn.o_proj", hidden),), q,
                 ROW),
     ]  # fmt: skip
+    if model.qk_norm:  # one weight of head_dim each, every head's (so every TP rank's)
+        weights += [
+            Weight(f"self_attention.{ours}.weight", (head_dim,), None,
+                   (HFPart(f"self_attn.{theirs}.weight", head_dim),), in_llama=False)
+            for ours, theirs in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm"))
+        ]  # fmt: skip
     if model.variant.extra_projection:  # W^s: no bias, sharded as W^o
         part = HFPart("self_attn.s_proj.weight", hidden)
         weights.append(Weight("self_attention.linear_proj.w_s.weight", (hidden, q), ROW, (part,),
@@ -354,6 +362,7 @@ def _layer_saved(model_json: str, tensor: int, bf16: bool) -> tuple[Saved, ...]:
         Saved("the layer's input", hidden, kept_under=LAYER_INPUT),
         *norm_saved(model, "input_layernorm"),
         Saved("the QKV projection's output (V is a view of it)", q + 2 * kv),
+        *qk_norm_saved(model, tensor, bf16),
     ]
     if model.position_embedding == "rope":
         saved.append(Saved("RoPE's rotated Q and K", q + kv))
@@ -384,6 +393,29 @@ def norm_saved(model: ModelConfig, name: str) -> tuple[Saved, ...]:
             Saved(f"{name}: its output", hidden),
         )
     return Saved(f"{name}: its input", hidden), Saved(f"{name}: its output", hidden)
+
+
+def qk_norm_saved(model: ModelConfig, tensor: int, bf16: bool) -> tuple[Saved, ...]:
+    """What the QK-norms (model.qk_norm: torch's composite RMSNorm over each head) keep:
+    the normalized queries and keys and a statistic per head in fp32, and their input:
+    in bf16 its fp32 copy; in fp32 the input itself, new memory only for the queries of
+    grouped-query attention (copied out of the fused QKV, where keys stay a view). Without
+    RoPE their output is what attention keeps (with it, RoPE's rotation of it)."""
+    if not model.qk_norm:
+        return ()
+    heads, groups = model.num_attention_heads // tensor, model.query_groups // tensor
+    q, kv = heads * model.head_dim, groups * model.head_dim
+    saved = [
+        Saved("QK-norm: the normalized queries and keys in fp32", q + kv, fp32=True),
+        Saved("QK-norm: a statistic per head", heads + groups, fp32=True),
+    ]
+    if bf16:
+        saved.append(Saved("QK-norm: its input in fp32", q + kv, fp32=True))
+    elif heads != groups:
+        saved.append(Saved("QK-norm: the queries, copied out of the fused QKV", q))
+    if model.position_embedding != "rope":
+        saved.append(Saved("QK-norm: its output, the queries and keys attention reads", q + kv))
+    return tuple(saved)
 
 
 def core_saved(model: ModelConfig, q: int, bf16: bool) -> tuple[Saved, ...]:

@@ -24,13 +24,21 @@ from tests.models import preset, tensor_parallel_rank
 
 PRESETS = sorted(p.stem for p in Path("configs/model").glob("*.yaml"))
 VOCAB = 1024  # divisible by TP; the presets' own vocabularies come from their tokenizers
-CASES = [(name, variant) for name in PRESETS for variant in VARIANTS]
+CASES = [(name, variant) for name in PRESETS for variant in VARIANTS] + [
+    (f"{name}+qk_norm", variant)
+    for name, variant in (("tiny", "attention_bn"), ("gpt2-124m", "belief_star"),
+                          ("llama-8b", "softmax"))
+]  # fmt: skip
+"""Every preset with every variant, and with model.qk_norm (RoPE and GQA; LayerNorm and
+learned positions; the 8B's 128-wide heads)."""
 
 
 def model_of(name: str, variant: str):
-    """The preset with `variant`, cut to 3 layers (every layer is alike; the planner's
-    counts at full depth are tests/model/test_presets.py's)."""
-    return preset(name, attention=variant, num_layers=3)
+    """The preset with `variant` (and with QK-norm for a name ending in +qk_norm), cut to 3
+    layers (every layer is alike; the planner's counts at full depth are
+    tests/model/test_presets.py's)."""
+    name, _, option = name.partition("+")
+    return preset(name, attention=variant, num_layers=3, **({option: True} if option else {}))
 
 
 def split_of(param: torch.nn.Parameter) -> tuple[int, int] | None:

@@ -50,7 +50,11 @@ def needs_calibrated_torch(dtype: str) -> None:
     [("tiny", v, "float32") for v in VARIANTS]
     # bf16 where the variant's tensors differ from fp32's (the projections' fp32 copies)
     + [("tiny", v, "bfloat16") for v in ("softmax", "belief", "belief_star", "attentionx")]
-    + [("gpt2-124m", v, "float32") for v in ("softmax", "belief_star")],
+    + [("gpt2-124m", v, "float32") for v in ("softmax", "belief_star")]
+    # model.qk_norm: the norms' kept tensors (GQA's copied queries in fp32, fp32 copies in
+    # bf16; without GQA at GPT-2's shape)
+    + [("tiny+qk_norm", "attention_bn", d) for d in ("float32", "bfloat16")]
+    + [("gpt2-124m+qk_norm", "softmax", "float32")],
 )
 def test_activations_per_layer_are_what_autograd_keeps(preset, variant, dtype):
     """One more decoder layer keeps plan.layer_activations per token (none, selective,
@@ -58,7 +62,8 @@ def test_activations_per_layer_are_what_autograd_keeps(preset, variant, dtype):
     per-head statistics are approximate; Attention-SH's pooled keys and values are not
     modelled: within 1% in fp32, 4% over in bf16)."""
     needs_calibrated_torch(dtype)
-    shape = LLAMA if preset == "tiny" else GPT2
+    preset, _, option = preset.partition("+")
+    shape = [*(LLAMA if preset == "tiny" else GPT2), *([f"model.{option}=true"] if option else [])]
     bf16 = dtype == "bfloat16"
     tolerance = 0.03
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))

@@ -7,10 +7,16 @@ sharded (`universal_info`, from the model's description: belief_lm.description),
 names parameters as the saving model did, so we add the other naming next to each
 (pipeline stages `3.self_attention...` and BeliefLM's `layers.2.self_attention...`): a
 pipelined checkpoint can resume without a pipeline and the other way round.
+
+The converter runs in a process of its own (`python -m belief_lm.checkpoint.universal`,
+`main` below), which reads every file weights-only (loading.py) as this one does; the
+universal files it writes are checked against the same allow-list before a job loads them
+(a universal copy sits beside its checkpoint, outside its manifest).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -21,6 +27,8 @@ from pathlib import Path
 
 from deepspeed.checkpoint import constants as ds
 
+from belief_lm import compat
+from belief_lm.checkpoint import loading
 from belief_lm.checkpoint.files import CheckpointError, universal_path
 from belief_lm.config import ModelConfig
 from belief_lm.description import COLUMN, GATED, ROW, ModelDescription, Weight, describe
@@ -73,33 +81,53 @@ def _patterns(description: ModelDescription) -> list[tuple[Weight, str]]:
     return found
 
 
-def ensure_universal(checkpoint: Path, model: ModelConfig) -> Path:
+def ensure_universal(checkpoint: Path, model: ModelConfig, trust: bool = False) -> Path:
     """The universal form of `checkpoint` beside it (`files.universal_path`), converted by
-    rank 0 if it is not there yet while the other ranks wait. Collective when distributed."""
+    rank 0 if it is not there yet while the other ranks wait, and its files checked against
+    what a checkpoint may hold on every rank (RefusedFile on every rank alike; `trust`: a
+    warning). Collective when distributed."""
     output = universal_path(checkpoint)
 
     def convert_once() -> Path:
         if not (output / "run.json").exists():
             log.info("converting %s to the universal format", checkpoint)
-            convert(checkpoint, output, model)
+            convert(checkpoint, output, model, trust=trust)
         return output
 
-    return rank_zero_first(convert_once)
+    rank_zero_first(convert_once)
+    loading.refuse(output, loading.refusals(output), trust)
+    return output
 
 
-def convert(checkpoint: Path, output: Path, model: ModelConfig, workers: int = 2) -> Path:
+TRUST_ARGUMENT = "--trust-checkpoint"
+"""`main`'s own argument (the rest are ds_to_universal's): load files beyond the allow-list."""
+REFUSED = 3
+"""`main`'s exit code when a file was refused (RefusedFile; its message the last line)."""
+
+
+def convert(
+    checkpoint: Path, output: Path, model: ModelConfig, workers: int = 2, trust: bool = False
+) -> Path:
     """Write the universal form of `checkpoint` to `output` (atomically: a temporary name
-    renamed at the end) and add both parameter namings. Returns `output`."""
+    renamed at the end) and add both parameter namings. Returns `output`. Every file is
+    read weights-only (`trust`: see loading.load); a refused one raises RefusedFile."""
     tmp = output.with_name(f".tmp-{output.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     # A fresh process: the converter's worker pool forks, which can deadlock when forked
     # from a process whose torch.distributed threads are running.
     command = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        sys.executable, "-m", "belief_lm.checkpoint.universal",
         "--input_folder", str(checkpoint), "--output_folder", str(tmp),
         "--num_extract_workers", str(workers), "--num_merge_workers", str(max(1, workers // 2)),
+        *([TRUST_ARGUMENT] if trust else []),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
+    env = {**os.environ}
+    if not trust:  # a worker that does not inherit main's loader still loads weights-only
+        env["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode == REFUSED:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise loading.RefusedFile(done.stderr.strip().splitlines()[-1].removeprefix("belief-lm: "))
     if done.returncode != 0:
         raise CheckpointError(
             f"converting {checkpoint} to the universal format failed:\n{done.stderr[-3000:]}"
@@ -124,3 +152,24 @@ def add_both_namings(zero_dir: Path, model: ModelConfig) -> None:
             other = pipeline_name(name, model.num_layers, model.tie_embeddings)
         if other and other != name and not (zero_dir / other).exists():
             (zero_dir / other).symlink_to(folder.name, target_is_directory=True)
+
+
+def main(argv: list[str]) -> int:
+    """DeepSpeed's ds_to_universal (its arguments, and TRUST_ARGUMENT) with every file it
+    reads loaded weights-only, its worker processes (forked) included."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    trust = TRUST_ARGUMENT in argv
+    sys.argv = [sys.argv[0], *(a for a in argv if a != TRUST_ARGUMENT)]
+    args = ds_to_universal.parse_arguments()
+    try:
+        with compat.deepspeed_loads_through(functools.partial(loading.load, trust=trust)):
+            ds_to_universal.main(args)
+    except loading.RefusedFile as err:
+        print(f"belief-lm: {err}", file=sys.stderr)
+        return REFUSED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

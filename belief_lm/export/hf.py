@@ -31,6 +31,7 @@ from belief_lm import attention, variants
 from belief_lm.checkpoint.consolidate import Consolidated
 from belief_lm.config import ModelConfig
 from belief_lm.description import ModelDescription, describe
+from belief_lm.errors import BadInput
 from data_pipeline.tokenizer import Tokenizer
 
 TEMPLATE = Path(__file__).with_name("hf_template")
@@ -61,6 +62,7 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer: Tokenizer) -> dict
         "max_position_embeddings": model.seq_length,
         "normalization": model.normalization,
         "norm_epsilon": model.norm_epsilon,
+        "qk_norm": model.qk_norm,
         "activation": model.activation,
         "position_embedding": model.position_embedding,
         "rotary_base": model.rotary_base,
@@ -121,7 +123,7 @@ def from_hf_state_dict(
 ) -> dict[str, Tensor]:
     """Tensors under transformers' names (ours, or a Llama's) under BeliefLM's, joined as
     `description` says (hf_state_dict's inverse). A weight none of whose tensors is given
-    is left out (a Llama has no W^s: the caller decides). ValueError naming a tensor that
+    is left out (a Llama has no W^s: the caller decides). BadInput naming a tensor that
     has no place in the model, one of the wrong shape, or a weight only partly given."""
     given = dict(state)
     out: dict[str, Tensor] = {}
@@ -130,17 +132,17 @@ def from_hf_state_dict(
         if not found:
             continue
         if len(found) < len(weight.hf):
-            raise ValueError(f"{weight.name} is incomplete: only {', '.join(found)} given")
+            raise BadInput(f"{weight.name} is incomplete: only {', '.join(found)} given")
         parts = [given.pop(part.name) for part in weight.hf]
         for part, tensor in zip(weight.hf, parts, strict=True):
             if tuple(tensor.shape) != weight.hf_shape(part):
-                raise ValueError(
+                raise BadInput(
                     f"tensor {part.name}: shape {tuple(tensor.shape)}, the run's model has "
                     f"{weight.hf_shape(part)}"
                 )
         out[weight.name] = join_rows(parts, weight.hf_groups)
     if given:
-        raise ValueError(
+        raise BadInput(
             f"no counterpart in the run's model for tensor {', '.join(sorted(given)[:5])}"
         )
     return out

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from belief_lm.attention import ShardSum
+from belief_lm.errors import BAD_INPUT, BadInput
 from belief_lm.parallel import peers
 
 T = TypeVar("T")
@@ -75,8 +76,8 @@ def rank_zero_first(work: Callable[[], T]) -> T:
     timeout sized for collectives, not for this. Meanwhile the others watch rank 0's
     heartbeat: a rank 0 silent for parallel.timeout_s is lost (peers.PeerLost) long
     before the wait would end. If rank 0's run fails, every rank fails at once with its
-    message (a ValueError stays a ValueError: bad input is reported as such everywhere)
-    instead of waiting.
+    message (bad input stays bad input, belief_lm.errors.BadInput, reported as such
+    everywhere) instead of waiting.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return work()
@@ -90,13 +91,13 @@ def rank_zero_first(work: Callable[[], T]) -> T:
     done = torch.zeros(1)
     waiting = dist.broadcast(done, src=0, group=group, async_op=True)
     peers.wait_for_rank_zero(waiting, "rank_zero_first's wait for rank 0")
-    outcome = [None if failure is None else (isinstance(failure, ValueError), str(failure))]
+    outcome = [None if failure is None else (isinstance(failure, BAD_INPUT), str(failure))]
     dist.broadcast_object_list(outcome, src=0, group=group)
     if failure is not None:
         raise failure
     if outcome[0] is not None:
         bad_input, message = outcome[0]
-        raise (ValueError if bad_input else RuntimeError)(f"on rank 0: {message}")
+        raise (BadInput if bad_input else RuntimeError)(f"on rank 0: {message}")
     return result if dist.get_rank() == 0 else work()
 
 

@@ -10,7 +10,7 @@ boundary, clipping, the optimizer/scheduler steps, and checkpoints.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,10 @@ class TrainEngine:
     parameters: int
     """Whole-model parameter count (all ranks)."""
     pipelined: bool
+    reported: dict[str, torch.Tensor] = field(default_factory=dict)
+    """What the model computed beside the loss in the last train_step (z_loss with
+    train.z_loss): this rank's mean over its micro-batches (a pipeline's: already averaged
+    over data parallelism, as its loss), to `global_mean` like the loss."""
 
     def train_step(
         self, micro_batches: Iterator, screen: Callable[[torch.Tensor], bool] | None = None
@@ -71,16 +75,19 @@ class TrainEngine:
         guard.skipped = guard.nonfinite = None
         if self.pipelined:  # 1F1B over all micro-batches, optimizer step included
             loss = engine.train_batch(data_iter=micro_batches)
+            self.reported = dict(engine.get_additional_losses() or {})
             if screen is not None and screen(loss):
                 raise RuntimeError("a pipelined step was asked to skip its update after it")
             return loss
         accumulation = engine.gradient_accumulation_steps()
-        total = None
+        total, self.reported = None, {}
         for micro in range(accumulation):
             tokens, labels = next(micro_batches)
             loss = engine(tokens, labels)
             engine.backward(loss)  # DeepSpeed divides by the accumulation steps
             total = loss.detach() if total is None else total + loss.detach()
+            for name, value in (engine.module.get_additional_losses() or {}).items():
+                self.reported[name] = self.reported.get(name, 0) + value / accumulation
             if screen is not None and micro == accumulation - 1:
                 guard.veto = screen(total / accumulation)  # before the update
             engine.step()  # optimizer + scheduler step only at the accumulation boundary
@@ -139,12 +146,16 @@ def build_engine(
         "recompute": cfg.train.activation_checkpointing,
         "eos_id": eos_id,
     }
+    z_loss = cfg.train.z_loss  # part of the objective
     if pipelined:
         model = build_pipeline(
-            cfg.model, vocab_size, topology, layout.tensor, cfg.run.seed, **execution
-        )
+            cfg.model, vocab_size, topology, layout.tensor, cfg.run.seed, **execution,
+            z_loss=z_loss,
+        )  # fmt: skip
     else:
-        model = BeliefLM(cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed, **execution)
+        model = BeliefLM(
+            cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed, **execution, z_loss=z_loss
+        )
     if weights is not None:  # before DeepSpeed takes the weights (ZeRO partitions, bf16)
         from belief_lm.checkpoint.consolidate import load_full_state
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from belief_lm.checkpoint import store
 from belief_lm.checkpoint.files import CheckpointError
 from belief_lm.config import Config, padded_vocab_size
+from belief_lm.errors import DataStop, NonFiniteLossError, Preempted, SpikeStop
 from belief_lm.parallel import env as process_env
 from belief_lm.parallel import peers
 from belief_lm.parallel.collectives import on_rank_zero, rank_zero_first
@@ -39,7 +40,7 @@ from belief_lm.train.profile import StepProfiler
 from belief_lm.train.progress import Progress
 from belief_lm.train.ranks import ForwardTimer, rank_spread
 from belief_lm.train.run_dir import drop_metrics_after, prepare_run_dir, record_start
-from belief_lm.train.signals import Preempted, StopRequests
+from belief_lm.train.signals import StopRequests
 from belief_lm.train.spikes import Spike, SpikeDetector
 from belief_lm.train.validation import validation_batches, validation_loss
 from data_pipeline.build import build_tokenizer, build_train_data, check_data
@@ -48,19 +49,6 @@ from data_pipeline.loader import Collective, TrainData
 from data_pipeline.tokenizer import Tokenizer, copy_model
 
 log = logging.getLogger("belief_lm.train")
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive steps had non-finite gradients."""
-
-
-class DataStop(RuntimeError):
-    """A data source failed mid-run; the last completed step was saved (exit_codes.DATA_FAULT)."""
-
-
-class SpikeStop(RuntimeError):
-    """train.spike.max_in_row loss spikes in a row with train.spike.action=stop; the step
-    was saved (exit_codes.LOSS_SPIKES)."""
 
 
 @dataclass
@@ -346,6 +334,8 @@ class Trainer:
         scalars = self.meter.scalars(
             self.step, mean, self.lr, None if norm is None else float(norm), self.data_wait_s
         )
+        for name, value in self.engine.reported.items():  # z_loss (collective)
+            scalars[name] = self.engine.global_mean(value)
         scalars.update(self.data.stats())  # data health, summed over the ranks
         if dist.get_world_size() > 1:  # a straggler shows in the spread (one all-gather)
             scalars.update(rank_spread(forward_s))

@@ -18,14 +18,6 @@ import signal
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
-class Preempted(Exception):  # a normal outcome (exit_codes.PREEMPTED), not an error
-    """Raised after the checkpoint of a stop request is saved."""
-
-    def __init__(self, step: int):
-        super().__init__(f"stopped on request after step {step}; checkpoint saved")
-        self.step = step
-
-
 class StopRequests:
     """Catches the stop signals while active; `agreed()` tells every rank whether any rank
     received one. Torch-free until `agreed()` is first called, so the `train` command

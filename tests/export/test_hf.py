@@ -47,6 +47,46 @@ def test_logits_equal_ours(make_checkpoint, tmp_path, arch, variant):
         assert hf.config.attention == variant
 
 
+@pytest.mark.parametrize(
+    ("variant", "arch"), [("attention_bn", "llama"), ("belief_star", "llama"), ("softmax", "gpt2")]
+)
+def test_logits_equal_ours_with_qk_norm(make_checkpoint, tmp_path, variant, arch):
+    """model.qk_norm exported (q_norm, k_norm of each layer, random weights): the logits of
+    the whole sequence and of each step through the cache are ours (RoPE and GQA, the
+    recentring of Attention-BN, learned positions)."""
+    from belief_lm.checkpoint.manifest import seal
+
+    checkpoint = make_checkpoint(seed=3, attention=variant, qk_norm=True, **ARCHITECTURES[arch])
+    states = checkpoint / "mp_rank_00_model_states.pt"
+    saved = torch.load(states, weights_only=True)
+    norms = [n for n in saved["module"] if re.search(r"\.[qk]_layernorm\.weight$", n)]
+    assert len(norms) == 4  # 2 layers, queries and keys
+    generator = torch.Generator().manual_seed(0)
+    for name in norms:  # away from their initial ones: a misplaced weight shows
+        saved["module"][name] = 1 + 0.5 * torch.randn(
+            saved["module"][name].shape, generator=generator
+        )
+    torch.save(saved, states)
+    seal(checkpoint)
+    ours = load_model(checkpoint, device="cpu").model
+    _, hf = hf_export(checkpoint, tmp_path)
+    torch.testing.assert_close(
+        hf.model.layers[1].self_attn.k_norm.weight,
+        saved["module"]["layers.1.self_attention.k_layernorm.weight"],
+    )
+    ids = tokens(16)
+    with torch.no_grad():
+        expected = ours(ids).transpose(0, 1)
+        torch.testing.assert_close(hf(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        out = hf(ids[:, :6], use_cache=True)
+        steps = [out.logits]
+        for i in range(6, 16):
+            out = hf(ids[:, i : i + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-4)
+    assert hf.config.qk_norm
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_variants_differ_far_beyond_the_tolerance(single_process_group, arch):
     """So that matching each variant within 1e-5 means computing that variant."""
@@ -219,16 +259,19 @@ torch.save({{"logits": logits, "prompt": prompt, "greedy": greedy[0, len(prompt)
     assert consolidate(trained_checkpoint).info.step == 3
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(
+    ("variant", "qk_norm"), [(v, False) for v in VARIANTS] + [("belief_star", True)]
+)
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_export_and_import_read_one_table(arch, variant):
+def test_export_and_import_read_one_table(arch, variant, qk_norm):
     """hf_state_dict writes exactly the description's Hugging Face tensors, and
     from_hf_state_dict, reading the same table the other way, gives every tensor back."""
     from belief_lm.config import ModelConfig
     from belief_lm.description import describe
     from belief_lm.export.hf import from_hf_state_dict, hf_state_dict
 
-    description = describe(ModelConfig(**SMALL, attention=variant, **ARCHITECTURES[arch]), 512)
+    model = ModelConfig(**SMALL, attention=variant, qk_norm=qk_norm, **ARCHITECTURES[arch])
+    description = describe(model, 512)
     generator = torch.Generator().manual_seed(0)
     ours = {w.name: torch.randn(w.shape, generator=generator) for w in description.weights()}
     theirs = hf_state_dict(ours, description)

@@ -7,6 +7,7 @@ import torch
 
 from belief_lm import attention as family
 from belief_lm.config import ModelConfig
+from belief_lm.errors import BadInput
 from belief_lm.model import gpt
 from belief_lm.model.gpt import BeliefLM
 from tests.models import ARCHITECTURES, SMALL, VARIANTS_AND_ARCHITECTURES
@@ -140,7 +141,7 @@ def test_mutations_are_caught(mutation, monkeypatch):
 
 
 def test_a_tokenizer_without_eos_is_refused():
-    with pytest.raises(ValueError, match=r"attention_mask=document needs the tokenizer's EOS"):
+    with pytest.raises(BadInput, match=r"attention_mask=document needs the tokenizer's EOS"):
         BeliefLM(model_config("softmax", "llama"), VOCAB, eos_id=-1)  # sentencepiece: none
     BeliefLM(model_config("softmax", "llama", "causal"), VOCAB)  # causal needs none
 

@@ -4,16 +4,21 @@
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --save-at K
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --resume CHECKPOINT
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --documents VARIANT[,..]
+    torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --stability VARIANT[,..]
 
 Builds the engine exactly as training does (build_engine, through tests.models.engine_for) and runs
 a few steps with train_step, on data that depends only on (step, global sequence index),
 so every layout sees the same global batch. Records on every rank: the global-batch loss
 of each step, the full gradient of every parameter just before each optimizer step
 (ZeRO fragments and TP shards gathered, pipeline names mapped to BeliefLM's), and the full
-parameters at the end. Writes OUT_DIR/<variant>-zero<stage>-rank<r>.pt. With --documents,
-the variants named there also train under model.attention_mask=document, on the same
-table with an EOS (DOCUMENT_END) closing documents of 1 to 6 tokens, written as
-OUT_DIR/<variant>-documents-zero<stage>-rank<r>.pt.
+parameters at the end, and each step's z-loss when train.z_loss is set. Writes
+OUT_DIR/<variant>-zero<stage>-rank<r>.pt. With --documents, the variants named there also
+train under model.attention_mask=document, on the same table with an EOS (DOCUMENT_END)
+closing documents of 1 to 6 tokens, written as
+OUT_DIR/<variant>-documents-zero<stage>-rank<r>.pt. With --stability, the variants named
+there also train with model.qk_norm and train.z_loss (STABILITY; with --chunk N a chunked
+loss too), written as OUT_DIR/<variant>-stability-zero<stage>-rank<r>.pt; a variant named
+in both trains its document-masked run with QK-norm and the z-loss as well.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from tests.models import engine_for  # noqa: E402
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
 DOCUMENT_END = 2
 """The EOS id of the document-masked runs (a trained tokenizer's)."""
+STABILITY = ("model.qk_norm=true", "train.z_loss=0.01")
+"""The stability options' runs: QK-norm and a z-loss large enough to move the gradients."""
 
 
 def config(tp: int, pp: int, zero: int, variant: str, *overrides: str):
@@ -133,10 +140,12 @@ def run(
         return take_step(*args, **kwargs)
 
     engine._take_model_step = capture_then_step
-    losses, norms = [], []
+    losses, norms, z_losses = [], [], []
     for _ in range(first, save_at or steps):
         losses.append(trainee.global_mean(trainee.train_step(data)))
         norms.append(float(engine.get_global_grad_norm()))
+        if "z_loss" in trainee.reported:
+            z_losses.append(trainee.global_mean(trainee.reported["z_loss"]))
     if save_at:
         tokenizer = Path(out_dir) / "tokenizer.model"  # the checkpoint copies it; any bytes do
         tokenizer.write_bytes(b"synthetic data: no tokenizer")
@@ -158,6 +167,7 @@ def run(
         {
             "losses": losses,
             "grad_norms": norms,
+            "z_losses": z_losses,
             "grads": grads_per_step,
             "params": params,
             "logits": logits,
@@ -175,13 +185,19 @@ def main() -> None:
     save_at = int(options["--save-at"]) if "--save-at" in options else None
     steps = int(options.get("--steps", STEPS))
     documents = options.get("--documents", "").split(",")
+    stabilized = options.get("--stability", "").split(",")
+    stability = [*STABILITY, f"train.loss_chunk_tokens={options.get('--chunk', 0)}"]
     for zero in zero_stages:  # one process group for all: start-up dominates on CPU
         for variant in variants:
             run(out_dir, tp, pp, zero, variant, save_at, options.get("--resume"), steps)
         for variant in filter(None, documents):
-            overrides = ("model.attention_mask=document",)
+            together = STABILITY if variant in stabilized else ()  # the mask with both
+            overrides = ("model.attention_mask=document", *together)
             name = f"{variant}-documents"
             run(out_dir, tp, pp, zero, variant, overrides=overrides, name=name, steps=steps)
+        for variant in filter(None, stabilized):
+            name = f"{variant}-stability"
+            run(out_dir, tp, pp, zero, variant, overrides=tuple(stability), name=name, steps=steps)
     dist.barrier()
 
 

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from belief_lm.variants import VARIANTS
-from tests.parallel.conftest import assert_equivalent, load_run, run_driver, torchrun
+from tests.parallel.conftest import (
+    STABILITY_VARIANTS,
+    assert_equivalent,
+    load_run,
+    run_driver,
+    torchrun,
+)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -18,25 +24,49 @@ def test_tensor_parallel_every_variant(reference, tp2, variant):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tensor_parallel_document_mask(reference, tp2, variant):
     """model.attention_mask=document at TP=2 (each rank's heads, the documents alike on
-    both) against one process, every variant."""
+    both) against one process, every variant (STABILITY_VARIANTS with QK-norm and the
+    z-loss as well)."""
     name = f"{variant}-documents"
     assert_equivalent(load_run(tp2, name, 1), load_run(reference, name, 1))
     causal = load_run(reference, variant, 1)["losses"]
     assert load_run(reference, name, 1)["losses"][0] != pytest.approx(causal[0], abs=1e-4)
 
 
+@pytest.mark.parametrize("variant", STABILITY_VARIANTS)
+def test_qk_norm_and_z_loss_tp2(reference, tp2, variant):
+    """model.qk_norm (each rank normalizes its own heads with the shared weights, whose
+    gradient is summed over the ranks) and train.z_loss (the log-sum-exp over both
+    vocabulary shards) over loss chunks at TP=2: the single process's losses, z-losses,
+    gradients and weights with the plain loss. Both options change the run."""
+    name = f"{variant}-stability"
+    run, single = load_run(tp2, name, 1), load_run(reference, name, 1)
+    assert_equivalent(run, single)
+    assert len(single["z_losses"]) == 3 and min(single["z_losses"]) > 0
+    assert run["z_losses"] == pytest.approx(single["z_losses"], rel=1e-5)
+    assert "layers.0.self_attention.q_layernorm.weight" in single["params"]
+    plain = load_run(reference, variant, 1)
+    assert single["losses"][0] != pytest.approx(plain["losses"][0], abs=1e-4)
+
+
 def test_belief_star_tp2_pp2_dp2(reference, tp2_pp2_dp2):
     """Tensor and pipeline parallel together (with data parallel and ZeRO-1 on top: the
-    run the change-of-layout tests resume from, so TP=2 x PP=2 needs no run of its own)."""
+    run the change-of-layout tests resume from, so TP=2 x PP=2 needs no run of its own),
+    plain and with QK-norm and a z-loss (the z-loss the pipeline engine sums over
+    micro-batches and averages over data parallelism)."""
     run = load_run(tp2_pp2_dp2, "belief_star", 1)
     assert_equivalent(run, load_run(reference, "belief_star", 1))
+    run = load_run(tp2_pp2_dp2, "belief_star-stability", 1)
+    single = load_run(reference, "belief_star-stability", 1)
+    assert_equivalent(run, single)
+    assert run["z_losses"] == pytest.approx(single["z_losses"], rel=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["belief_star", "attention_bn_sh"])
 def test_document_mask_tp2_pp2_dp2(reference, tp2_pp2_dp2, variant):
     """The document mask through pipeline stages (the boundary carrying the marks of where
     documents end, as DeepSpeed's boolean last element) at TP=2 x PP=2 x DP=2, against one
-    process: belief_star and Attention-BN-SH (running statistics)."""
+    process: belief_star (with QK-norm and the z-loss) and Attention-BN-SH (running
+    statistics)."""
     name = f"{variant}-documents"
     assert_equivalent(load_run(tp2_pp2_dp2, name, 1), load_run(reference, name, 1))
 
