@@ -70,12 +70,16 @@ class BeliefPipeline(PipelineModule):
     stage's logits, or a chunk at a time from its (hidden, weight) with
     `loss_chunk_tokens`; with the z-loss of coefficient `z_loss`, whose term of the last
     micro-batch get_additional_losses reports (on every stage: the engine asks each for
-    the names it will receive)."""
+    the names it will receive). The train step sets `label_weights`, one factor per
+    micro-batch of the step (train/engine.py label_weights: the loss weighted by tokens),
+    which the loss_fn uses up in the order the engine runs them; once they are used up (as
+    in evaluation), each micro-batch's own mean."""
 
     def __init__(self, *, loss_chunk_tokens: int = 0, z_loss: float = 0.0, **pipeline):
         super().__init__(loss_fn=self.loss, **pipeline)
         self.loss_chunk_tokens, self.z_loss = loss_chunk_tokens, z_loss
         self.last_z_loss = torch.zeros(())
+        self.label_weights: list[Tensor] = []
 
     def loss(self, outputs, labels: Tensor) -> Tensor:
         if self.loss_chunk_tokens:
@@ -83,8 +87,9 @@ class BeliefPipeline(PipelineModule):
             terms = chunked_lm_loss(hidden, weight, labels, self.loss_chunk_tokens, self.z_loss)
         else:
             terms = lm_loss(outputs, labels, self.z_loss)
-        self.last_z_loss = terms.z_loss
-        return terms.loss
+        share = self.label_weights.pop(0) if self.label_weights else 1.0
+        self.last_z_loss = terms.z_loss * share
+        return terms.loss * share
 
     def get_additional_losses(self) -> dict[str, Tensor] | None:
         return {"z_loss": self.last_z_loss} if self.z_loss else None

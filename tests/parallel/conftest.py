@@ -38,14 +38,15 @@ the one with most weights, and the one that recentres the normalized queries and
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Path:
     """Single-process (TP=PP=DP=1) records of every variant under the causal and the
-    document mask, and of STABILITY_VARIANTS with QK-norm and a z-loss (the plain loss;
-    their document-masked runs with both as well)."""
+    document mask, of STABILITY_VARIANTS with QK-norm and a z-loss (the plain loss;
+    their document-masked runs with both as well), and belief_star's on masked labels
+    (driver --padded: micro-batches of unequal label counts, accumulation 4)."""
     from belief_lm.variants import VARIANTS
 
     every, stability = list(VARIANTS), ",".join(STABILITY_VARIANTS)
     return run_driver(
         tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, every, "--documents", ",".join(every),
-        "--stability", stability,
+        "--stability", stability, "--padded", "belief_star",
     )  # fmt: skip
 
 
@@ -68,12 +69,13 @@ def tp2_pp2_dp2(tmp_path_factory) -> Path:
     (8 processes: one run serves the equivalence and the change-of-layout tests), with
     QK-norm and a z-loss (the z-loss reported through the pipeline engine), and
     belief_star's (with QK-norm and the z-loss too) and attention_bn_sh's under the
-    document mask."""
+    document mask, and belief_star's on masked labels (the pipeline's loss_fn weighted by
+    tokens)."""
     out = tmp_path_factory.mktemp("tp2pp2dp2")
     documents = ["--documents", "belief_star,attention_bn_sh"]
     return run_driver(
         out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3", "--stability", "belief_star",
-        *documents,
+        *documents, "--padded", "belief_star",
     )  # fmt: skip
 
 
