@@ -23,6 +23,13 @@ Hugging Face export ships (this file needs only torch), so both compute the same
 `DecodeCache` (at the end) is what decoding keeps between steps, for every variant: the
 same math, fed a few tokens at a time.
 
+Documents (model.attention_mask=document): a window packs several documents, each ended
+by an EOS; given `Documents` (where each token's document starts), a token attends only to
+earlier tokens of its own document, and every running statistic restarts with it: μ is
+the mean of the keys of the query's document up to it, Attention-SH's slots are counted
+from the document's first token (slot b averages document positions b*s-s+1 .. b*s), and
+positions (RoPE) restart at 0. Each document then computes exactly what it computes alone.
+
 All projections are per token: coefficients never mix positions. Inner products are
 accumulated in fp32 whatever the input dtype. If <V_i, V_i> = 0 then V_i = 0 and <MH_i, V_i> = 0,
 so the coefficient is defined as 0 and Δ_i = MH_i (the projection onto the zero vector is
@@ -32,7 +39,8 @@ zero); gradients stay finite.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -158,35 +166,47 @@ def attention_heads(
     softmax_scale: float | None = None,
     cache: LayerCache | None = None,
     step: DecodeStep | None = None,
+    documents: Documents | None = None,
 ) -> Tensor:
     """Causal H for queries [b, heads, s, d] and keys/values [b, groups, s, d].
 
     `mixing` is VARIANTS' first entry (belief_lm/variants.py): plain softmax, Attention-BN
     (queries recentred by the mean of the keys each may see), Attention-SH (head m attends
     to keys/values pooled by `head_scales[m]`) or both. Softmax runs in torch SDPA (flash
-    kernels on GPU). With a `cache` (decoding), k and v are added to it at `step`'s
-    positions and the queries attend to everything it holds (`cached_heads`); the first
-    step of an unpadded batch is the whole sequence, computed as without a cache.
+    kernels on GPU). With `documents`, each document of a row on its own (see the module's
+    docstring; `_attend_documents`). With a `cache` (decoding), k and v are added to it at
+    `step`'s positions and the queries attend to everything it holds (`cached_heads`); the
+    first step of an unpadded batch is the whole sequence, computed as without a cache.
     """
     if cache is not None:
         cache.append(k, v, step)
         if not step.fresh:
             return cached_heads(q, cache, step, mixing, beta, head_scales, softmax_scale)
     if mixing not in ("sh", "bn_sh"):
-        return _attend(q, k, v, mixing, beta, 1, softmax_scale)
+        return _attend(q, k, v, mixing, beta, 1, softmax_scale, documents)
     heads = q.shape[1]
     k, v = heads_from_groups(k, heads), heads_from_groups(v, heads)
     out = torch.empty_like(q)
     for scale in sorted(set(head_scales)):  # each group of heads sharing a scale at once
         idx = [i for i, s in enumerate(head_scales) if s == scale]
-        out[:, idx] = _attend(q[:, idx], k[:, idx], v[:, idx], mixing, beta, scale, softmax_scale)
+        parts = (q[:, idx], k[:, idx], v[:, idx])
+        out[:, idx] = _attend(*parts, mixing, beta, scale, softmax_scale, documents)
     return out
 
 
 def _attend(
-    q: Tensor, k: Tensor, v: Tensor, mixing: str, beta: float, scale: int, softmax_scale
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mixing: str,
+    beta: float,
+    scale: int,
+    softmax_scale: float | None,
+    documents: Documents | None = None,
 ) -> Tensor:
     """softmax(q k^T) v for [b, heads, s, d] tensors, keys pooled by `scale`."""
+    if documents is not None:
+        return _attend_documents(q, k, v, mixing, beta, scale, softmax_scale, documents)
     seq_len = q.shape[2]
     if scale > 1:
         k, v = causal_pool(k, scale, dim=2), causal_pool(v, scale, dim=2)
@@ -274,6 +294,199 @@ def _attend_pooled(q: Tensor, k: Tensor, v: Tensor, scale: int, softmax_scale) -
     return out[:, :, :seq_len]
 
 
+class Documents(NamedTuple):
+    """Where each token's document starts in its row: what attention needs to keep the
+    documents packed into a window apart (`documents` derives it from the EOS marks)."""
+
+    starts: Tensor
+    """[b, s] the index of the first token of each token's document (int64)."""
+    positions: Tensor
+    """[b, s] each token's position in its document: 0 at its first token."""
+
+
+def documents(ends: Tensor) -> Documents:
+    """The documents of rows [b, s] whose `ends` is True at each document's last token (an
+    EOS): a document starts at the row's first token (one that began in an earlier window
+    starts there) and after every EOS (so an EOS right after another is a document alone)."""
+    index = torch.arange(ends.shape[-1], device=ends.device)
+    begins = torch.cat((torch.ones_like(ends[..., :1]), ends[..., :-1]), dim=-1)
+    starts = torch.where(begins, index, 0).cummax(-1).values
+    return Documents(starts, index - starts)
+
+
+def _sums_since(x: Tensor, first: Tensor) -> Tensor:
+    """For x [b, g, s, d] and first [b, s] (each <= its token's index): the sums of x over
+    tokens first[i] .. i, in float64, as differences of float64 prefix sums (a sum that
+    starts late in a long row keeps its precision)."""
+    prefix = F.pad(x.double().cumsum(2), (0, 0, 1, 0))
+    index = first[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    return prefix[:, :, 1:] - prefix.gather(2, index)
+
+
+def document_pool(x: Tensor, scale: int, docs: Documents) -> Tensor:
+    """Attention-SH's slots within documents, kept at the token that completes them: token
+    t of x [b, g, s, d] becomes the mean of its document's tokens max(start, t-scale+1) ..
+    t, which is slot b of its document where t is its document position b*scale (a partial
+    window elsewhere, which no query sees; see `_attend_documents`)."""
+    index = torch.arange(x.shape[2], device=x.device)
+    first = torch.maximum(docs.starts, index - scale + 1)
+    count = (index - first + 1)[:, None, :, None]
+    return (_sums_since(x, first) / count).to(x.dtype)
+
+
+def document_mean(x: Tensor, scale: int, docs: Documents) -> Tensor:
+    """Attention-BN's μ within documents: for each token, the mean of the slots (tokens at
+    scale 1) of its document that it sees, those at document positions 0, scale, 2*scale,
+    ... up to its own; x [b, g, s, d] holds a slot at the token that completes it."""
+    slot_ends = (docs.positions % scale == 0)[:, None, :, None]
+    count = (docs.positions // scale + 1)[:, None, :, None]
+    return (_sums_since(x * slot_ends, docs.starts) / count).to(x.dtype)
+
+
+def visible_keys(starts: Tensor, slot_ends: Tensor | None = None) -> Tensor:
+    """[b, s, s]: query i sees key j iff starts[b, i] <= j <= i (its own document, up to
+    it), and, given `slot_ends` [b, s], only keys where a slot ends."""
+    index = torch.arange(starts.shape[-1], device=starts.device)
+    visible = (index <= index[:, None]) & (index >= starts[..., None])
+    return visible if slot_ends is None else visible & slot_ends[:, None, :]
+
+
+def _attend_documents(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mixing: str,
+    beta: float,
+    scale: int,
+    softmax_scale: float | None,
+    docs: Documents,
+) -> Tensor:
+    """_attend with each document of a row on its own, by document_kernel's kernel: the
+    keys a query sees, their mean (Attention-BN) and their slots (Attention-SH) restart at
+    its document's first token."""
+    if document_kernel(q.device) == "bins":
+        return documents_in_bins(q, k, v, mixing, beta, scale, softmax_scale, docs)
+    if scale > 1:  # the slots stay one per token, those that complete a slot seen
+        k, v = document_pool(k, scale, docs), document_pool(v, scale, docs)
+    if mixing in ("bn", "bn_sh"):
+        mean = document_mean(k, scale, docs)
+        q = recentred_queries(q, heads_from_groups(mean, q.shape[1]), beta)
+    slot_ends = docs.positions % scale == 0 if scale > 1 else None
+    return document_softmax(q, k, v, docs.starts, slot_ends, softmax_scale)
+
+
+DOCUMENT_KERNELS = ("flex", "bins", "dense")
+"""How attention within documents can run:
+- bins: every document of the batch alone, through the causal path (`_attend`), documents
+  of similar length padded to a common length (`bin_widths`) and computed together, one
+  causal SDPA (flash) call per length: each document's own work, a little more for
+  padding; the calls sized on the host (a host sync);
+- flex: FlexAttention with a block mask (the blocks no query of a block sees skipped),
+  compiled (Triton on CUDA), on the keys and slots the masked math prepares
+  (document_pool, document_mean);
+- dense: SDPA with the whole [b, s, s] boolean mask over the same, every block computed
+  (twice causal attention's work). On the CPU SDPA's flash kernel takes a mask; on CUDA a
+  mask sends SDPA to its efficient or math kernel."""
+
+MIN_BIN = 16
+"""The shortest padded length of the bins kernel: shorter documents share its call."""
+
+
+def document_kernel(device: torch.device) -> str:
+    """The kernel of DOCUMENT_KERNELS that runs on `device`: flex on CUDA; on the CPU bins
+    (FlexAttention has no backward there), or dense inside torch.compile (bins sizes its
+    calls on the host: data-dependent shapes would break the graph at every layer).
+    Measured in bench/document_mask.py."""
+    if device.type == "cuda":
+        return "flex"
+    return "dense" if torch.compiler.is_compiling() else "bins"
+
+
+def documents_in_bins(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mixing: str,
+    beta: float,
+    scale: int,
+    softmax_scale: float | None,
+    docs: Documents,
+) -> Tensor:
+    """The bins kernel (DOCUMENT_KERNELS): every document of the batch through `_attend`
+    alone, padded after its last token (where causal attention, the running key mean and
+    the pooled slots a real token sees cannot reach), documents of one padded length in one
+    call. The tokens are gathered into the bins, and the results back, by one index_select
+    each (whose backward is one index_add)."""
+    b, heads, seq_len, d = q.shape
+    flat = [x.transpose(1, 2).reshape(b * seq_len, x.shape[1], d) for x in (q, k, v)]
+    starts = torch.nonzero(docs.positions.flatten() == 0).flatten()
+    lengths = torch.diff(starts, append=starts.new_tensor([b * seq_len]))
+    widths = bin_widths(lengths)
+    bins = widths.unique().tolist()  # host sync: the calls' sizes
+    gather, real = [], []
+    for width in bins:
+        offsets = torch.arange(width, device=q.device)
+        chosen = widths == width
+        gather.append((starts[chosen, None] + offsets).clamp_max(b * seq_len - 1).flatten())
+        real.append((offsets < lengths[chosen, None]).flatten())
+    gather, real = torch.cat(gather), torch.cat(real)
+    binned = [x.index_select(0, gather) for x in flat]
+    sizes = [int(n) * w for n, w in zip(torch.bincount(widths)[bins].tolist(), bins, strict=True)]
+    outputs = []
+    for width, *parts in zip(bins, *(x.split(sizes) for x in binned), strict=True):
+        q_bin, k_bin, v_bin = (x.view(-1, width, *x.shape[1:]).transpose(1, 2) for x in parts)
+        h = _attend(q_bin, k_bin, v_bin, mixing, beta, scale, softmax_scale)
+        outputs.append(h.transpose(1, 2).reshape(-1, heads, d))
+    rows = torch.nonzero(real).flatten()  # the real tokens' rows among the bins' outputs
+    source = torch.empty_like(rows).index_copy_(0, gather[rows], rows)  # token -> its row
+    out = torch.cat(outputs).index_select(0, source)
+    return out.view(b, seq_len, heads, d).transpose(1, 2)
+
+
+def bin_widths(lengths: Tensor) -> Tensor:
+    """The padded length of documents of `lengths` in the bins kernel: at least MIN_BIN,
+    rounded up to the next 2^n or 1.5 x 2^n (at most 1.5 x the length: about 2.25 x its
+    attention's work, 1.25 x on average)."""
+    lengths = lengths.clamp_min(MIN_BIN)
+    power = lengths.double().log2().floor().exp2().long()  # 2^n <= length
+    half = power + power // 2
+    return torch.where(lengths <= power, power, torch.where(lengths <= half, half, 2 * power))
+
+
+def document_softmax(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    starts: Tensor,
+    slot_ends: Tensor | None,
+    softmax_scale: float | None,
+    kernel: str | None = None,
+) -> Tensor:
+    """softmax(q k^T) v for queries [b, heads, s, d] and keys/values [b, groups, s, d]
+    where query i sees key j iff starts[b, i] <= j <= i (and slot_ends[b, j], if given);
+    `kernel` flex or dense (default: flex on CUDA, see DOCUMENT_KERNELS)."""
+    kernel = kernel or ("flex" if document_kernel(q.device) == "flex" else "dense")
+    if kernel == "dense":
+        mask = visible_keys(starts, slot_ends).unsqueeze(1)
+        return _sdpa(q, k, v, attn_mask=mask, scale=softmax_scale)
+
+    def visible(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        seen = (j <= i) & (j >= starts[b, i])
+        return seen if slot_ends is None else seen & slot_ends[b, j]
+
+    # imported here: the Hugging Face export ships this file, and may meet a torch without it
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    rows, _, seq_len, _ = q.shape
+    # compiled on CUDA: the block mask without a [b, s, s] mask in memory, and fused kernels
+    # (eager, elsewhere, flex is the reference the tests hold the dense mask to)
+    make_mask = _compiled(create_block_mask) if q.is_cuda else create_block_mask
+    block_mask = make_mask(visible, rows, None, seq_len, seq_len, device=q.device)
+    attend = _compiled(flex_attention) if q.is_cuda else flex_attention
+    gqa = k.shape[1] != q.shape[1]
+    return attend(q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=gqa)
+
+
 def residual_signal(
     h: Tensor,
     v_heads: Tensor,
@@ -305,7 +518,8 @@ def residual_signal(
 # no state of its own. belief, belief_star and AttentionX project per token, on the
 # current token's V alone. A row's positions count its real tokens only: padding
 # (`valid` False) takes no slot and is seen by no query, so a left-padded row of a batch
-# computes what it computes alone.
+# computes what it computes alone. With documents a row's cache holds its current document
+# alone (DecodeCache.steps): after an EOS its slots are emptied and positions restart.
 
 
 def rotary_angles(positions: Tensor, dim: int, base: float) -> Tensor:
@@ -322,7 +536,8 @@ class DecodeStep(NamedTuple):
     """Where a decoding step's new tokens sit: the same for every layer."""
 
     positions: Tensor
-    """[b, n] each token's position among its row's real tokens (padding: clamped to 0)."""
+    """[b, n] each token's position among its row's real tokens (of its document, with
+    documents; padding: clamped to 0)."""
     valid: Tensor
     """[b, n] False for padding."""
     last: int
@@ -337,6 +552,13 @@ class LayerCache:
 
     def __init__(self, scales: Sequence[int]):
         self.slots: dict[int, list[Tensor | None]] = {s: [None, None] for s in scales}
+
+    def forget(self, rows: Tensor) -> None:
+        """Empty the slots of `rows` ([b] bool): their next token starts a document."""
+        for held in self.slots.values():
+            for x in held:
+                if x is not None:
+                    x[rows] = 0
 
     def append(self, k: Tensor, v: Tensor, step: DecodeStep) -> None:
         """Add keys and values [b, groups, n, d] of the step's tokens to their slots."""
@@ -393,20 +615,34 @@ def cached_heads(
 
 
 class DecodeCache:
-    """What a whole model keeps between decoding steps: one LayerCache per layer, and how
-    many tokens each row has fed (real ones: its next position; all: `columns`)."""
+    """What a whole model keeps between decoding steps: one LayerCache per layer, how many
+    tokens each row has fed (real ones: its next position; all: `columns`) and, with
+    documents, whether each row's last token ended its document.
+
+    With documents (model.attention_mask=document), a row's cache holds its current
+    document only: the token after an EOS starts a new one, so the row forgets its slots
+    and its positions restart at 0. `steps` feeds tokens that hold EOS in runs, each
+    continuing or starting every row's document."""
 
     def __init__(self, num_layers: int, mixing: str, head_scales: Sequence[int]):
         scales = sorted(set(head_scales)) if mixing in ("sh", "bn_sh") else [1]
         self.layers = [LayerCache(scales) for _ in range(num_layers)]
         self.seen: Tensor | None = None
-        """[b] real tokens fed so far, per row."""
+        """[b] real tokens fed so far, per row (of its current document, with documents)."""
         self.columns = 0
         """Tokens fed so far per row, padding included."""
+        self.ended: Tensor | None = None
+        """[b] with documents: whether the row's last real token fed ended a document."""
 
-    def step(self, valid: Tensor) -> DecodeStep:
+    def step(self, valid: Tensor, ends: Tensor | None = None) -> DecodeStep:
         """The positions of the next tokens, `valid` [b, n] (False: padding), which are
-        then counted as fed."""
+        then counted as fed. With documents, `ends` [b, n] is True at each EOS; a row's
+        EOS must be its last token of the step (`steps` splits tokens so), and a row whose
+        previous step ended with one starts a new document here."""
+        if self.ended is not None and bool(self.ended.any()):  # host sync
+            for layer in self.layers:
+                layer.forget(self.ended)
+            self.seen = torch.where(self.ended, 0, self.seen)
         counted = valid.long().cumsum(-1)
         if self.seen is not None:
             counted = counted + self.seen.unsqueeze(-1)
@@ -414,5 +650,27 @@ class DecodeCache:
         # host syncs, once per step for all layers: how many slots are in use; whether
         # the full-sequence path applies
         fresh = self.seen is None and bool(valid.all())
+        if ends is not None:  # the row's last real token here, if it has one, is an EOS
+            index = torch.arange(valid.shape[1], device=valid.device)
+            last = torch.where(valid, index, -1).amax(-1)
+            ended = ends.gather(-1, last.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            previous = self.ended if self.ended is not None else torch.zeros_like(ended)
+            self.ended = torch.where(last >= 0, ended, previous)
         self.seen, self.columns = counted[:, -1], self.columns + valid.shape[1]
         return DecodeStep(positions, valid, int(positions.max()), fresh)
+
+    def steps(
+        self, valid: Tensor, ends: Tensor | None = None
+    ) -> Iterator[tuple[slice, DecodeStep]]:
+        """Feed tokens [b, n] (`valid`: not padding; `ends`: True at each EOS, with
+        documents, else None) as one step, or with documents as one step per run of
+        columns that ends where some row's document ends: yields each run's columns and
+        its step, taken once the caller has fed the run before it to every layer."""
+        runs = [slice(None)]
+        if ends is not None:
+            ends = ends & valid
+            cuts = (ends.any(0).nonzero().flatten() + 1).tolist()  # host sync
+            bounds = [0, *(c for c in cuts if c < valid.shape[1]), valid.shape[1]]
+            runs = [slice(a, b) for a, b in itertools.pairwise(bounds)]
+        for run in runs:
+            yield run, self.step(valid[:, run], None if ends is None else ends[:, run])

@@ -81,6 +81,15 @@ class ModelConfig(Section):
     attention: AttentionVariant = "softmax"
     """Attention variant: softmax, belief, belief_star, attentionx, attention_bn,
     attention_sh or attention_bn_sh."""
+    attention_mask: Literal["causal", "document"] = "causal"
+    """What a token attends to in a window that packs several documents (the data stream
+    ends each with an EOS and cuts windows across them): causal, every earlier token of the
+    window; document, only the earlier tokens of its own document (the token after an EOS
+    starts one; a window's first document starts at the window's start), with positions
+    (RoPE or learned) restarting at each document, and so do Attention-BN's running key
+    mean and Attention-SH's pooled slots: each document computes what it would alone.
+    Evaluation, generation, the KV cache and the Hugging Face export follow the model's
+    setting. Needs a tokenizer with an EOS piece."""
     gamma: float = Field(0.5, gt=0, le=1)
     """AttentionX's γ in Φ = γV - H, in (0, 1]."""
     beta: float = Field(1.0, ge=0)

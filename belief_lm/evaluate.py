@@ -55,7 +55,9 @@ def evaluate(
     batches = validation_batches(
         data, tokenizer, cfg.model.seq_length, micro, layout, torch_device, max_batches
     )
-    model = BeliefLM(cfg.model, ckpt.info.vocab_size, layout.tensor, seed=cfg.run.seed)
+    model = BeliefLM(
+        cfg.model, ckpt.info.vocab_size, layout.tensor, seed=cfg.run.seed, eos_id=tokenizer.eos_id
+    )  # the documents, under model.attention_mask=document, as in training
     load_full_state(model, ckpt.state_dict)
     loss, tokens = validation_loss(model.to(torch_device), batches)
     if tokens == 0:

@@ -210,5 +210,6 @@ def llama_weights(files: list[Path], cfg: Config, vocab_size: int) -> dict:
         from belief_lm.parallel.setup import single_process_groups
 
         single_process_groups()
-        fresh = BeliefLM(cfg.model, vocab_size, seed=cfg.run.seed).state_dict()
+        causal = cfg.model.model_copy(update={"attention_mask": "causal"})  # the same weights
+        fresh = BeliefLM(causal, vocab_size, seed=cfg.run.seed).state_dict()
     return {w.name: converted.get(w.name, fresh.get(w.name)).float().contiguous() for w in weights}

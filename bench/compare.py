@@ -3,14 +3,18 @@
     python bench/compare.py                                   # the CPU-scale comparison
     python bench/compare.py --variants softmax belief_star --seeds 1 2 3 --steps 10173 \
         --config configs/paper/gpt2-124m-owt.yaml --launcher "torchrun --nproc_per_node=8"
+    python bench/compare.py --masks causal document --variants softmax attention_bn  # A/B
 
 Every (variant, seed) is a fresh `belief-lm train` with the same config, data, steps and
 evaluation schedule; seed s sets both the initial weights (run.seed) and the data order
 (data.seed), so for one seed every variant starts from the same weights where shapes agree
-and sees the same batches. Wall-clock is the sum of the logged step times (start-up and
-evaluation excluded). Writes <out>.json (per variant: mean and std over seeds of the
-validation loss at every evaluated step, mean elapsed time) and <out>.png (like the
-paper's Fig. 6/7: validation loss against steps and against wall-clock).
+and sees the same batches. With --masks causal document every variant also runs under each
+model.attention_mask (named "<variant> (<mask>)"): the same weights and batches, and each
+run's validation loss is taken under its own mask (the model's, as training evaluates).
+Wall-clock is the sum of the logged step times (start-up and evaluation excluded). Writes
+<out>.json (per variant: mean and std over seeds of the validation loss at every evaluated
+step, mean elapsed time) and <out>.png (like the paper's Fig. 6/7: validation loss against
+steps and against wall-clock).
 """
 
 from __future__ import annotations
@@ -34,17 +38,22 @@ from belief_lm.variants import VARIANTS  # noqa: E402
 from bench.common import write_result  # noqa: E402
 
 
-def train_one(variant: str, seed: int, args, run_dir: Path) -> list[dict]:
-    """One training run; returns its metrics.jsonl rows."""
+def train_command(variant: str, seed: int, args, run_dir: Path, mask: str) -> list[str]:
+    """The `belief-lm train` command line of one run (`mask`: model.attention_mask)."""
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
-    command = [
+    return [
         *launcher, "-m", "belief_lm.cli", "train", "--config", args.config,
-        f"model.attention={variant}", f"run.seed={seed}", f"data.seed={seed}",
-        f"train.max_steps={args.steps}", f"train.eval_interval={args.eval_interval}",
-        f"train.eval_batches={args.eval_batches}", f"run.output_dir={run_dir}",
-        "run.log_interval=1", "run.tensorboard=false", "checkpoint.resume=never",
-        "checkpoint.save_at_end=false", *args.overrides,
+        f"model.attention={variant}", f"model.attention_mask={mask}", f"run.seed={seed}",
+        f"data.seed={seed}", f"train.max_steps={args.steps}",
+        f"train.eval_interval={args.eval_interval}", f"train.eval_batches={args.eval_batches}",
+        f"run.output_dir={run_dir}", "run.log_interval=1", "run.tensorboard=false",
+        "checkpoint.resume=never", "checkpoint.save_at_end=false", *args.overrides,
     ]  # fmt: skip
+
+
+def train_one(variant: str, seed: int, args, run_dir: Path, mask: str = "causal") -> list[dict]:
+    """One training run; returns its metrics.jsonl rows."""
+    command = train_command(variant, seed, args, run_dir, mask)
     # a fresh job: no rendezvous variables inherited from whatever started the harness
     rendezvous = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in rendezvous}
@@ -52,6 +61,11 @@ def train_one(variant: str, seed: int, args, run_dir: Path) -> list[dict]:
     if done.returncode != 0:
         raise RuntimeError(f"{variant} seed {seed} failed:\n{done.stderr[-3000:]}")
     return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def run_name(variant: str, mask: str, masks: list[str]) -> str:
+    """A run's name in the results: the variant, and its mask when several are compared."""
+    return variant if len(masks) == 1 else f"{variant} ({mask})"
 
 
 def curve(rows: list[dict]) -> dict[int, tuple[float, float]]:
@@ -115,19 +129,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-interval", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=10)
+    parser.add_argument(
+        "--masks", nargs="+", default=["causal"], choices=["causal", "document"],
+        help="model.attention_mask of the runs: each variant under each (default causal)",
+    )  # fmt: skip
     parser.add_argument("--launcher", help="prefix such as 'torchrun --nproc_per_node=8'")
     parser.add_argument("--out", default="bench/results/compare_cpu")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = parser.parse_args()
 
-    curves: dict[str, list] = {v: [] for v in args.variants}
+    runs = {run_name(v, m, args.masks): (v, m) for v in args.variants for m in args.masks}
+    curves: dict[str, list] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as work:
         for seed in args.seeds:
-            for variant in args.variants:
-                rows = train_one(variant, seed, args, Path(work) / f"{variant}-{seed}")
-                curves[variant].append(curve(rows))
-                final = curves[variant][-1][max(curves[variant][-1])]
-                print(f"{variant:16s} seed {seed}: val loss {final[0]:.4f} ({final[1]:.0f}s)")
+            for name, (variant, mask) in runs.items():
+                out = Path(work) / f"{variant}-{mask}-{seed}"
+                curves[name].append(curve(train_one(variant, seed, args, out, mask)))
+                final = curves[name][-1][max(curves[name][-1])]
+                print(f"{name:27s} seed {seed}: val loss {final[0]:.4f} ({final[1]:.0f}s)")
     summary = summarize(curves)
     out = Path(args.out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -137,7 +156,8 @@ def main() -> None:
         "benchmark": "validation loss of attention variants trained alike (bench/compare.py)",
         "config": args.config, "overrides": args.overrides, "steps": args.steps,
         "eval_interval": args.eval_interval, "eval_batches": args.eval_batches,
-        "seeds": args.seeds, "variants": summary, "plot": str(out.with_suffix(".png")),
+        "seeds": args.seeds, "masks": args.masks, "variants": summary,
+        "plot": str(out.with_suffix(".png")),
     }  # fmt: skip
     print("wrote", write_result(out.with_suffix(".json"), result, device))
 

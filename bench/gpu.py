@@ -7,9 +7,11 @@
 Correctness: 50 steps of `tiny` in bf16 against fp32 from the same weights and batches
 (loss within --loss-tolerance, relative, at every step; --smoke: 5 steps, in bf16 on the
 CPU); the SDPA kernel every attention variant runs at each preset's shape (flash / cudnn /
-efficient / math, from the profiler: variants with masks may fall back); belief's inner
-products computed from the model's own bf16 activations (dtype, and error against fp64);
-the NCCL process group (TP=1).
+efficient / math, from the profiler: variants with masks may fall back), and under
+model.attention_mask=document the kernel the code chooses there (attention.document_kernel:
+FlexAttention on CUDA) and the SDPA kernels that still run (none should be math); belief's
+inner products computed from the model's own bf16 activations (dtype, and error against
+fp64); the NCCL process group (TP=1).
 
 Throughput: each model x attention x option set (OPTION_SETS by name: plain, fused, the
 other fast paths one at a time, all of them as `tuned`; or named config overrides, e.g.
@@ -74,8 +76,14 @@ OPTION_SETS = {
     "compiled": FAST_PATHS[3:],  # each whole decoder layer compiled
     "tuned": FAST_PATHS,  # all of them
     "foreach_adamw": ["train.adamw_kernel=foreach"],
+    "documents": ["model.attention_mask=document"],  # on documents of DOCUMENT_TOKENS
+    "documents_compiled": ["model.attention_mask=document", "model.compile=layer"],
 }
 """Named option sets, for `--option NAME`; each a list of config overrides."""
+DOCUMENT_END, DOCUMENT_TOKENS = 2, 256
+"""Under model.attention_mask=document the synthetic tokens hold documents: an EOS id (a
+trained tokenizer's) ends one every DOCUMENT_TOKENS tokens on average (the embedded
+corpus's documents are about 200 tokens long: bench/document_mask.py)."""
 OPTIONS = ["plain", "fused", "tuned"]
 """The GPU run's default matrix (within --time-limit); the single fast paths by name:
 --option plain --option fused_output --option chunked_loss --option compiled."""
@@ -222,11 +230,12 @@ def libraries(device: torch.device) -> dict:
 
 
 def token_batches(
-    vocab: int, batch: int, seq: int, seed: int, device, count: int = 1
+    vocab: int, batch: int, seq: int, seed: int, device, count: int = 1, documents: bool = False
 ) -> list[tuple]:
     """`count` micro-batches (tokens, labels) [batch, seq] of a seeded bigram chain: each
     token is followed by a fixed successor 3 times in 4, else by a random token, so a model
-    can learn it (the loss falls) and two runs see the same data."""
+    can learn it (the loss falls) and two runs see the same data. With `documents`, one
+    token in DOCUMENT_TOKENS is an EOS (DOCUMENT_END) ending a document."""
     gen = torch.Generator().manual_seed(seed)
     successor = torch.randperm(vocab, generator=gen)
     out = []
@@ -237,6 +246,9 @@ def token_batches(
         keep = torch.rand(batch, seq, generator=gen) < 0.75
         for i in range(seq):
             chain[:, i + 1] = torch.where(keep[:, i], successor[chain[:, i]], noise[:, i])
+        if documents:
+            ends = torch.rand(chain.shape, generator=gen) < 1 / DOCUMENT_TOKENS
+            chain = chain.masked_fill(ends, DOCUMENT_END)
         out.append((chain[:, :-1].to(device), chain[:, 1:].to(device)))
     return out
 
@@ -261,7 +273,14 @@ def timed_steps(trainee, batches, steps: int, device) -> tuple[list[float], list
 
 def engine(cfg: Config, layout, device):
     """The engine of `cfg` (bf16 where it asks for it: on the CPU too, for --smoke)."""
-    return bench_engine(cfg, layout, cfg.model.vocab_size, device)
+    return bench_engine(cfg, layout, cfg.model.vocab_size, device, eos_id=DOCUMENT_END)
+
+
+def batches_for(cfg: Config, micro_batch: int, seed: int, device, count: int = 1) -> list[tuple]:
+    """token_batches for `cfg`'s shape, with documents under its document mask."""
+    documents = cfg.model.attention_mask == "document"
+    shape = (cfg.model.vocab_size, micro_batch, cfg.model.seq_length)
+    return token_batches(*shape, seed=seed, device=device, count=count, documents=documents)
 
 
 def release(trainee) -> None:
@@ -283,9 +302,11 @@ def correctness(bench: Bench, layout) -> dict:
     checks["bf16_vs_fp32"] = bf16_against_fp32(bench, layout)
     fused = any("model.compile=projections" in o for o in bench.args.options.values())
     checks["sdpa_kernels"], checks["belief_inner_products"] = {}, {}
+    checks["document_kernels"] = {}
     for preset in bench.args.models:
         kernels, products = attention_checks(bench, preset, fused)
         checks["sdpa_kernels"][preset], checks["belief_inner_products"][preset] = kernels, products
+        checks["document_kernels"][preset] = document_checks(bench, preset)
     return checks
 
 
@@ -348,13 +369,8 @@ def attention_checks(bench: Bench, preset: str, fused: bool) -> tuple[dict, dict
     for variant in VARIANTS:
         cfg = bench.config(MODELS[preset], f"model.attention={variant}", "model.num_layers=1")
         model = BeliefLM(cfg.model, cfg.model.vocab_size).to(bench.device, dtype)
-        shape = (cfg.model.vocab_size, 1, cfg.model.seq_length)
-        tokens, labels = token_batches(*shape, seed=0, device=bench.device)[0]
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=activities) as profile:
-            model(tokens, labels).backward()
-        names = {event.name for event in profile.events()}
-        kernels[variant] = sorted({SDPA_KERNELS[n] for n in names if n in SDPA_KERNELS})
+        tokens, labels = batches_for(cfg, 1, seed=0, device=bench.device)[0]
+        kernels[variant] = kernels_run(model, tokens, labels)
         if variant == "belief":  # the layer's MH and V, from a forward in evaluation mode
             captured = {}
             scope = CAPTURE.set(captured)
@@ -367,6 +383,35 @@ def attention_checks(bench: Bench, preset: str, fused: bool) -> tuple[dict, dict
     print(f"{preset} SDPA kernels:", kernels, flush=True)
     print(f"{preset} belief inner products:", products, flush=True)
     return kernels, products
+
+
+def kernels_run(model, tokens, labels) -> list[str]:
+    """The SDPA kernels a forward and backward of `model` ran (from the profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        model(tokens, labels).backward()
+    names = {event.name for event in profile.events()}
+    return sorted({SDPA_KERNELS[n] for n in names if n in SDPA_KERNELS})
+
+
+def document_checks(bench: Bench, preset: str) -> dict:
+    """Under model.attention_mask=document, at the preset's shape (one layer, micro-batch
+    1, bf16, documents of DOCUMENT_TOKENS): the kernel the code chooses on this device and
+    the SDPA kernels each variant still runs (FlexAttention's own are not SDPA's)."""
+    chosen = family.document_kernel(bench.device)
+    out = {"document_kernel": chosen, "sdpa_kernels": {}}
+    for variant in VARIANTS:
+        cfg = bench.config(MODELS[preset], f"model.attention={variant}", "model.num_layers=1",
+                           "model.attention_mask=document")  # fmt: skip
+        model = BeliefLM(cfg.model, cfg.model.vocab_size, eos_id=DOCUMENT_END)
+        model = model.to(bench.device, torch.bfloat16)
+        tokens, labels = batches_for(cfg, 1, seed=0, device=bench.device)[0]
+        out["sdpa_kernels"][variant] = kernels_run(model, tokens, labels)
+        del model
+    out["pass"] = all("math" not in k for k in out["sdpa_kernels"].values())
+    if not out["pass"]:
+        bench.errors += 1
+    print(f"{preset} document mask: {chosen}; SDPA kernels {out['sdpa_kernels']}", flush=True)
+    return out
 
 
 def inner_product_check(mh: torch.Tensor, v: torch.Tensor, fused: bool) -> dict:
@@ -475,15 +520,13 @@ def next_candidate(fits: int | None, misses: int | None, cap: int) -> int | None
 
 def step_at(trainee, cfg: Config, micro_batch: int, device) -> None:
     """One training step at this micro-batch (the plain engine takes any batch size)."""
-    shape = (cfg.model.vocab_size, micro_batch, cfg.model.seq_length)
-    timed_steps(trainee, iter(token_batches(*shape, seed=1, device=device)), 1, device)
+    timed_steps(trainee, iter(batches_for(cfg, micro_batch, seed=1, device=device)), 1, device)
 
 
 def measure(bench: Bench, trainee, cfg: Config, micro_batch: int) -> dict:
     """--warmup untimed steps, then --steps timed ones; the median and the peak memory."""
     device, seq = bench.device, cfg.model.seq_length
-    shape = (cfg.model.vocab_size, micro_batch, seq)
-    batches = itertools.cycle(token_batches(*shape, seed=2, device=device, count=2))
+    batches = itertools.cycle(batches_for(cfg, micro_batch, seed=2, device=device, count=2))
     accumulation = cfg.train.global_batch_size // micro_batch
     timed_steps(trainee, batches, bench.args.warmup, device)
     if device.type == "cuda":

@@ -119,7 +119,7 @@ def make_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
         cfg = Config.model_validate({"model": SMALL | model, "run": {"seed": seed}})
         step = tmp_path_factory.mktemp("run") / "checkpoints" / "step_000001"
         step.mkdir(parents=True)
-        lm = BeliefLM(cfg.model, SMALL_EMBEDDING_ROWS, seed=seed)
+        lm = BeliefLM(cfg.model, SMALL_EMBEDDING_ROWS, seed=seed, eos_id=small_tokenizer.eos_id)
         torch.save({"module": lm.state_dict()}, step / "mp_rank_00_model_states.pt")
         (step / "config.yaml").write_text(cfg.to_yaml())
         shutil.copyfile(small_tokenizer.path, step / "tokenizer.model")

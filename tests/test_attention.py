@@ -1,5 +1,7 @@
 """The projection math against direct float64 formulas, per token and per head."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -244,3 +246,111 @@ def test_a_left_padded_row_computes_what_it_computes_alone(mixing):
     for r, (row, n) in enumerate(zip(rows, lengths, strict=True)):
         alone = fam.attention_heads(*row, mixing, **options)
         torch.testing.assert_close(together[r : r + 1, :, width - n :], alone)
+
+
+# Documents (model.attention_mask=document): ends at positions 4, 5 (an EOS alone), 11, 14
+# of row 0; row 1 one document (begun in an earlier window); row 2 starts with an EOS.
+DOC_ENDS = [[4, 5, 11, 14], [], [0, 7]]
+
+
+def document_window(seq_len: int = 23) -> tuple[torch.Tensor, list[list[slice]]]:
+    """ends [3, seq_len] (True at each EOS) and each row's documents as slices."""
+    ends = torch.zeros(len(DOC_ENDS), seq_len, dtype=torch.bool)
+    spans = []
+    for row, at in enumerate(DOC_ENDS):
+        ends[row, at] = True
+        bounds = [0, *(i + 1 for i in at), seq_len]
+        spans.append([slice(a, b) for a, b in itertools.pairwise(bounds) if b > a])
+    return ends, spans
+
+
+def test_documents_start_after_each_eos():
+    ends, spans = document_window(16)
+    docs = fam.documents(ends)
+    for row, row_spans in enumerate(spans):
+        for span in row_spans:
+            assert (docs.starts[row, span] == span.start).all()
+            assert torch.equal(docs.positions[row, span], torch.arange(span.stop - span.start))
+
+
+def heads_and_grads(mixing, docs, kernel, monkeypatch, seq_len=23):
+    """H of random q, k, v (fp64, GQA, SH scales) under `docs` by `kernel`, and the
+    gradients of a random function of it."""
+    monkeypatch.setattr(fam, "document_kernel", lambda device: kernel)
+    q, k, v = (rand(3, h, seq_len, 8, dtype=torch.float64, seed=80 + i).requires_grad_()
+               for i, h in enumerate((8, 4, 4)))  # fmt: skip
+    out = fam.attention_heads(q, k, v, mixing, head_scales=SCALES, documents=docs,
+                              **MIXINGS[mixing])  # fmt: skip
+    weights = rand(*out.shape, dtype=torch.float64, seed=90)
+    return (out, *torch.autograd.grad((out * weights).sum(), (q, k, v))), (q, k, v)
+
+
+@pytest.mark.parametrize("kernel", ["bins", "dense"])
+@pytest.mark.parametrize("mixing", list(MIXINGS))
+def test_each_document_computes_what_it_computes_alone(mixing, kernel, monkeypatch):
+    """Attention within documents, by either CPU kernel: each document's H is the causal
+    math on it alone (μ and the slots restarting with it), and so are the gradients."""
+    ends, spans = document_window()
+    (out, *grads), (q, k, v) = heads_and_grads(mixing, fam.documents(ends), kernel, monkeypatch)
+    for row, row_spans in enumerate(spans):
+        for span in row_spans:
+            part = [x[row : row + 1, :, span] for x in (q, k, v)]
+            alone = fam.attention_heads(*part, mixing, head_scales=SCALES, **MIXINGS[mixing])
+            torch.testing.assert_close(out[row : row + 1, :, span], alone)
+            weights = rand(*out.shape, dtype=torch.float64, seed=90)[row : row + 1, :, span]
+            expected = torch.autograd.grad((alone * weights).sum(), part)
+            for got, want in zip(grads, expected, strict=True):
+                torch.testing.assert_close(got[row : row + 1, :, span], want)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_kernel_equals_the_dense_mask():
+    """FlexAttention's block mask (CUDA's kernel; eager here, forward only: no CPU backward)
+    sees what the dense mask sees, slots included."""
+    ends, _ = document_window()
+    docs = fam.documents(ends)
+    q, k, v = rand(3, 8, 23, 8, seed=95), rand(3, 4, 23, 8, seed=96), rand(3, 4, 23, 8, seed=97)
+    for slot_ends in (None, docs.positions % 3 == 0):
+        dense = fam.document_softmax(q, k, v, docs.starts, slot_ends, None, "dense")
+        flex = fam.document_softmax(q, k, v, docs.starts, slot_ends, None, "flex")
+        torch.testing.assert_close(flex, dense)
+
+
+def test_document_kernel_by_device(monkeypatch):
+    """CUDA: FlexAttention (a dense mask would send SDPA to its math or efficient kernel);
+    the CPU: bins, or the dense mask while torch.compile traces (bins' host-sized calls
+    would break the graph)."""
+    assert fam.document_kernel(torch.device("cuda")) == "flex"
+    assert fam.document_kernel(torch.device("cpu")) == "bins"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert fam.document_kernel(torch.device("cpu")) == "dense"
+    assert fam.document_kernel(torch.device("cuda")) == "flex"  # compiles with the layer
+
+
+def test_bins_pad_by_at_most_half():
+    lengths = torch.tensor([1, 16, 17, 24, 25, 33, 100, 700, 1000, 1024, 1025])
+    widths = fam.bin_widths(lengths)
+    assert widths.tolist() == [16, 16, 24, 24, 32, 48, 128, 768, 1024, 1024, 1536]
+    assert (widths >= lengths).all() and (widths <= 1.5 * lengths.clamp_min(16)).all()
+
+
+@pytest.mark.parametrize("mixing", list(MIXINGS))
+def test_cached_heads_restart_after_each_eos(mixing):
+    """Decoding under documents (DecodeCache.steps: runs up to each EOS, a row's slots
+    forgotten and its positions restarted after one) gives the full window's H, whatever
+    the chunking, EOS in a chunk's middle, at its end or alone."""
+    ends, _ = document_window()
+    q, k, v = rand(3, 8, 23, 8, seed=40), rand(3, 4, 23, 8, seed=41), rand(3, 4, 23, 8, seed=42)
+    options = {"head_scales": SCALES, **MIXINGS[mixing]}
+    full = fam.attention_heads(q, k, v, mixing, documents=fam.documents(ends), **options)
+    valid = torch.ones_like(ends)
+    for chunks in ([1] * 23, [5, 1, 7, 10], [23]):
+        cache, outputs, start = fam.DecodeCache(1, mixing, SCALES), [], 0
+        for n in chunks:
+            for run, step in cache.steps(valid[:, start : start + n], ends[:, start : start + n]):
+                cols = range(start, start + n)[run]
+                part = [x[:, :, cols.start : cols.stop] for x in (q, k, v)]
+                outputs.append(fam.attention_heads(*part, mixing, **options,
+                                                   cache=cache.layers[0], step=step))  # fmt: skip
+            start += n
+        torch.testing.assert_close(torch.cat(outputs, dim=2), full)

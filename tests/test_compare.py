@@ -38,6 +38,16 @@ def test_plot(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 10_000
 
 
+def test_runs_under_each_mask_by_name(tmp_path):
+    """--masks causal document: each variant under each model.attention_mask, named apart."""
+    args = argparse.Namespace(config="c.yaml", steps=4, eval_interval=2, eval_batches=2,
+                              launcher=None, overrides=["x.y=1"])  # fmt: skip
+    command = compare.train_command("belief", 3, args, tmp_path, "document")
+    assert "model.attention_mask=document" in command and command[-1] == "x.y=1"
+    assert compare.run_name("belief", "document", ["causal", "document"]) == "belief (document)"
+    assert compare.run_name("belief", "causal", ["causal"]) == "belief"
+
+
 def test_one_real_run(tmp_path, cache_dir):
     args = argparse.Namespace(
         config="configs/tiny.yaml", steps=4, eval_interval=2, eval_batches=2, launcher=None,

@@ -53,6 +53,11 @@ def test_smoke_runs_every_check_and_run(tmp_path):
         products = checks["belief_inner_products"][model]
         assert products["activations"] == "bfloat16" and products["plain"]["dtype"] == "float32"
         assert checks["belief_inner_products"][model]["pass"]
+        # the document mask: on the CPU every document in the causal flash kernel (bins)
+        documents = checks["document_kernels"][model]
+        assert documents["document_kernel"] == "bins" and documents["pass"]
+        assert set(documents["sdpa_kernels"]) == set(gpu.VARIANTS)
+        assert all(k == ["flash (CPU)"] for k in documents["sdpa_kernels"].values()), documents
     runs = result["runs"]
     assert [(r["model"], r["option"], r["attention"]) for r in runs] == [
         (m, o, a) for m in gpu.MODELS for o in ("plain", "foreach_adamw") for a in gpu.ATTENTIONS
@@ -68,18 +73,18 @@ def test_smoke_runs_every_check_and_run(tmp_path):
 @pytest.mark.slow
 def test_smoke_named_option_sets(tmp_path):
     """The fast paths a GPU run measures, by name (model.compile=layer aside: minutes of
-    Inductor on a CPU)."""
+    Inductor on a CPU), and the document mask."""
     result = bench(
         tmp_path, "--smoke", "--models", "gpt2-124m", "--attentions", "softmax", "belief_star",
         "--option", "fused", "--option", "fused_output", "--option", "chunked_loss",
-        "--max-micro-batch", "2",
+        "--option", "documents", "--max-micro-batch", "2",
     )  # fmt: skip
-    names = ("fused", "fused_output", "chunked_loss")
+    names = ("fused", "fused_output", "chunked_loss", "documents")
     assert [(r["option"], r["attention"], r["micro_batch"]) for r in result["runs"]] == [
         (name, attention, 2) for name in names for attention in ("softmax", "belief_star")
     ]
     assert [r["overrides"] for r in result["runs"][::2]] == [gpu.OPTION_SETS[n] for n in names]
-    assert [r["fused"] for r in result["runs"]] == [True, True, False, False, False, False]
+    assert [r["fused"] for r in result["runs"]] == [True, True] + [False] * 6
     products = result["correctness"]["belief_inner_products"]["gpt2-124m"]
     assert products["fused"]["dtype"] == "float32" and products["pass"]
 
@@ -107,6 +112,19 @@ def test_micro_batch_search():
     assert gpu.next_candidate(32, 64, 128) == 48
     assert gpu.next_candidate(48, 64, 128) == 56
     assert gpu.next_candidate(56, 64, 128) is None  # within a quarter of the fit
+
+
+def test_document_runs_hold_documents():
+    """The documents option set's synthetic batches hold EOS (about one in DOCUMENT_TOKENS);
+    the others' do not (the learnable chain as it was)."""
+    cfg = load_config("configs/tiny.yaml", [*gpu.SMOKE_SHAPE, *gpu.OPTION_SETS["documents"]])
+    tokens, _ = gpu.batches_for(cfg, 64, seed=0, device="cpu")[0]  # 2,048 tokens
+    documents = (tokens == gpu.DOCUMENT_END).sum().item()
+    expected = tokens.numel() / gpu.DOCUMENT_TOKENS
+    assert expected / 2 < documents < 2 * expected
+    plain_cfg = load_config("configs/tiny.yaml", gpu.SMOKE_SHAPE)
+    plain, _ = gpu.batches_for(plain_cfg, 64, seed=0, device="cpu")[0]
+    assert (plain == gpu.DOCUMENT_END).sum() + expected / 2 < documents  # the chain hits 2 too
 
 
 def test_option_sets_by_name_or_overrides():

@@ -49,6 +49,7 @@ from belief_lm.config import Config, ModelConfig
 from belief_lm.description import Weight, describe
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.model.pipeline import canonical_name
+from data_pipeline.tokenizer import Tokenizer
 
 log = logging.getLogger("belief_lm.checkpoint")
 
@@ -72,7 +73,10 @@ class Consolidated:
         process groups, as any BeliefLM (belief_lm.parallel.setup.single_process_groups)."""
         if tensor_parallel != 1:
             raise ValueError("build_model builds a single-process (TP=1) model")
-        model = BeliefLM(self.config.model, self.info.vocab_size, seed=self.config.run.seed)
+        eos_id = Tokenizer(self.tokenizer_path).eos_id  # where documents end, if masked
+        model = BeliefLM(
+            self.config.model, self.info.vocab_size, seed=self.config.run.seed, eos_id=eos_id
+        )
         load_full_state(model, self.state_dict)
         return model.eval()
 

@@ -68,6 +68,7 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer: Tokenizer) -> dict
         "rotary_base": model.rotary_base,
         "bias": model.bias,
         "attention": model.attention,
+        "attention_mask_type": model.attention_mask,
         "gamma": model.gamma,
         "beta": model.beta,
         "head_scales": model.head_scales,

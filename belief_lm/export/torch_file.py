@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import sentencepiece as spm
 import torch
 
 from belief_lm.checkpoint import loading
@@ -54,6 +55,7 @@ def load_model(path: str | Path) -> BeliefLM:
     groups, as any BeliefLM (belief_lm.parallel.setup.single_process_groups)."""
     obj = read(path)
     config = Config.model_validate(obj["config"])
-    model = BeliefLM(config.model, obj["info"]["vocab_size"], seed=config.run.seed)
+    eos_id = spm.SentencePieceProcessor(model_proto=obj["tokenizer_model"]).eos_id()
+    model = BeliefLM(config.model, obj["info"]["vocab_size"], seed=config.run.seed, eos_id=eos_id)
     load_full_state(model, obj["state_dict"])
     return model.eval()

@@ -5,7 +5,9 @@ draw; temperature 0 is greedy decoding (argmax). BeliefLM decodes with a cache (
 attention variant's: belief_lm.attention.DecodeCache): the prompt is run once, then each
 step feeds only the new token. Past the context length (model.seq_length) every step reruns
 the model over the cropped context instead, as without the cache: the crop moves every
-position by one each step, so nothing cached stays valid.
+position by one each step, so nothing cached stays valid. A model trained with
+model.attention_mask=document finds the documents in what it is fed: after an EOS its
+cache starts afresh, so a prompt's earlier documents do not reach the continuation.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ From Python: `import belief_lm.inference.lm_eval_adapter` and then
 `evaluate_tasks(checkpoint, tasks)` (what training's train.eval_tasks run).
 
 Log-likelihoods are batched (right-padded: every variant is causal, so padding after a
-sequence cannot change it) and use the model's full output distribution, as training's
+sequence cannot change it; under model.attention_mask=document the EOS padding makes
+documents of its own, after it) and use the model's full output distribution, as training's
 loss does. Contexts longer than model.seq_length keep their last tokens. generate_until
 decodes one request at a time with belief_lm.inference.generate (greedy unless the task
 asks for sampling), stopping at EOS or at the task's stop strings.

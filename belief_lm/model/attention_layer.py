@@ -57,7 +57,9 @@ class FamilyCoreAttention(MegatronModule):
 
     Inputs are megatron's [seq, batch, heads, head_dim] (query: this rank's heads; key/value:
     its KV groups). Returns [seq, batch, heads * head_dim], or twice that for belief_star.
-    Attention is always causal over the whole packed window; masks are not supported.
+    Attention is causal over the whole packed window, or, when megatron's attention_mask
+    argument carries the window's `attention.Documents` (model.attention_mask=document,
+    from the decoder layer), within each document; no other mask is taken.
     In evaluation mode, DECODING makes it attend to the cached tokens too and CAPTURE
     collects MH and V. With `recompute` (selective activation recompute), training keeps
     only Q, K and V and recomputes the rest in backward: SDPA's output and statistics, each
@@ -107,25 +109,31 @@ class FamilyCoreAttention(MegatronModule):
         packed_seq_params=None,
         **unused,
     ) -> Tensor:
-        if attention_mask is not None or attention_bias is not None or packed_seq_params:
+        documents = attention_mask
+        if attention_bias is not None or packed_seq_params:
+            raise ValueError("FamilyCoreAttention takes no attention bias or packed sequences")
+        if documents is not None and not isinstance(documents, family.Documents):
             raise ValueError(
-                "FamilyCoreAttention is causal-only: masks/bias/packed seqs unsupported"
+                "FamilyCoreAttention takes no mask tensor: its attention_mask is the "
+                "window's attention.Documents (model.attention_mask=document) or None"
             )
         if self.recompute and self.training and torch.is_grad_enabled():
             # torch's checkpoint, not megatron's tensor_parallel.checkpoint: that one saves
             # the CUDA RNG state and fails without CUDA (nothing here draws random numbers).
             # Under TP the recomputation repeats belief's all-reduce on every rank alike.
             return torch.utils.checkpoint.checkpoint(
-                self._attend, query, key, value, use_reentrant=False
+                self._attend, query, key, value, documents, use_reentrant=False
             )
-        return self._attend(query, key, value)
+        return self._attend(query, key, value, documents)
 
-    def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    def _attend(
+        self, query: Tensor, key: Tensor, value: Tensor, documents: family.Documents | None
+    ) -> Tensor:
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         cache, step = (None, None) if self.training else (DECODING.get() or (None, None))
         h = family.attention_heads(
             q, k, v, self.mixing, beta=self.beta, head_scales=self.local_head_scales,
-            softmax_scale=self.softmax_scale, cache=cache, step=step,
+            softmax_scale=self.softmax_scale, cache=cache, step=step, documents=documents,
         )  # fmt: skip
         h = h.permute(2, 0, 1, 3)  # [s, b, heads, d]
         v_heads = family.heads_from_groups(value, query.shape[2], dim=2)  # V_m of each head

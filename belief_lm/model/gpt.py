@@ -19,6 +19,13 @@ reduce-scatter their output, the output layer all-gathers the final norm's. The 
 family's sequence-wide statistics are computed inside the attention block, where every
 rank holds the whole sequence, so their math does not change.
 
+Documents (model.attention_mask=document): the embedding marks where documents end (tokens
+equal to the tokenizer's EOS) and hands the decoder layers (hidden states, ends), which
+they hand on (so a pipeline stage passes the marks to the next, DeepSpeed's boolean last
+element); each layer derives the documents (attention.documents) for its RoPE positions
+and its core attention, and the final norm drops the marks. Nothing comes from the data
+pipeline but the tokens, so every source and pre-tokenized data work alike.
+
 Decoding: `BeliefLM.forward(tokens, cache=model.decode_cache())` feeds tokens that continue
 what the cache holds (positions go on from there) and returns their logits; the cache's
 math is `belief_lm.attention`'s (`DecodeCache`), as in the Hugging Face export.
@@ -43,9 +50,10 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from belief_lm import compat
-from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, rotary_angles
+from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, documents, rotary_angles
 from belief_lm.compat import ColumnLinear, RowLinear
 from belief_lm.config import ModelConfig
+from belief_lm.errors import BadInput
 from belief_lm.model.attention_layer import (
     DECODING,
     BeliefStarProjection,
@@ -180,10 +188,33 @@ def rotary_frequencies(seq_len: int, dim: int, base: float, device: torch.device
     return rotary_angles(torch.arange(seq_len, device=device), dim, base)[:, None, None, :]
 
 
-class TokenEmbedding(LanguageModelEmbedding):
-    """Stage 0: token ids [batch, seq] -> hidden states [seq, batch, hidden]."""
+def document_end_token(model: ModelConfig, eos_id: int | None) -> int | None:
+    """The token that ends a document under model.attention_mask=document: the tokenizer's
+    EOS, which the data stream appends to every document (None under causal). BadInput
+    if there is none."""
+    if model.attention_mask == "causal":
+        return None
+    if eos_id is None or eos_id < 0:
+        raise BadInput(
+            f"model.attention_mask=document needs the tokenizer's EOS id (got {eos_id}): "
+            "documents are told apart by the EOS the data stream appends to each; use a "
+            "tokenizer with an EOS piece or model.attention_mask=causal"
+        )
+    return eos_id
 
-    def __init__(self, config: TransformerConfig, model: ModelConfig, vocab_size: int, seed: int):
+
+class TokenEmbedding(LanguageModelEmbedding):
+    """Stage 0: token ids [batch, seq] -> hidden states [seq, batch, hidden], and under
+    model.attention_mask=document where documents end (`eos_id`: the tokenizer's EOS)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        model: ModelConfig,
+        vocab_size: int,
+        seed: int,
+        eos_id: int | None = None,
+    ):
         with seeded_init(seed):
             super().__init__(
                 config=config,
@@ -191,19 +222,31 @@ class TokenEmbedding(LanguageModelEmbedding):
                 max_sequence_length=model.seq_length,
                 position_embedding_type=model.position_embedding,
             )
+        self.eos_id = document_end_token(model, eos_id)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-        """`positions` [batch, seq]: where the tokens sit (default 0 .. seq-1)."""
-        if positions is None:
+    def forward(
+        self, tokens: Tensor, positions: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """`positions` [batch, seq]: where the tokens sit (decoding). Without them: 0 ..
+        seq-1; or, under the document mask, each token's position in its document, and
+        the result is (hidden states, ends [batch, seq]: True at each EOS)."""
+        if positions is not None:
+            return super().forward(tokens, positions)
+        if self.eos_id is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return super().forward(tokens, positions)
+            return super().forward(tokens, positions)
+        ends = tokens == self.eos_id
+        return super().forward(tokens, documents(ends).positions), ends
 
 
 class DecoderLayer(TransformerLayer):
     """One pre-norm decoder layer: x += attention(norm(x)); x += mlp(norm(x)).
 
-    Takes and returns only the hidden states, so it is also a pipeline stage; RoPE angles
-    are computed (and cached) here rather than passed between stages. `recompute` is
+    Takes and returns the hidden states, or under model.attention_mask=document (hidden
+    states, document ends), so it is also a pipeline stage; RoPE angles (at each token's
+    position in its document, with documents) are computed here rather than passed between
+    stages, and the documents go to the core attention as megatron's attention_mask.
+    `recompute` is
     train.activation_checkpointing: none; selective recomputes the core attention in
     backward; full recomputes the whole layer (only its input is kept). `decoding` (this
     layer's cache and the step) makes it continue a cached sequence. With
@@ -234,28 +277,45 @@ class DecoderLayer(TransformerLayer):
         self.compiled = torch.compile(self._forward) if model.compile == "layer" else None
 
     def forward(  # type: ignore[override]
-        self, hidden_states: Tensor, decoding: tuple[LayerCache, DecodeStep] | None = None
-    ) -> Tensor:
+        self,
+        inputs: Tensor | tuple[Tensor, Tensor],
+        decoding: tuple[LayerCache, DecodeStep] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        hidden_states, ends = inputs if isinstance(inputs, tuple) else (inputs, None)
         if decoding is not None or not self.training:
-            return self._forward(hidden_states, decoding)
-        layer = self.compiled or self._forward
-        if self.recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(layer, hidden_states, use_reentrant=False)
-        return layer(hidden_states)
+            output = self._forward(hidden_states, ends, decoding)
+        else:
+            layer = self.compiled or self._forward
+            if self.recompute and torch.is_grad_enabled():
+                output = torch.utils.checkpoint.checkpoint(
+                    layer, hidden_states, ends, use_reentrant=False
+                )
+            else:
+                output = layer(hidden_states, ends)
+        return output if ends is None else (output, ends)
 
     def _forward(
-        self, hidden_states: Tensor, decoding: tuple[LayerCache, DecodeStep] | None = None
+        self,
+        hidden_states: Tensor,
+        ends: Tensor | None = None,
+        decoding: tuple[LayerCache, DecodeStep] | None = None,
     ) -> Tensor:
+        docs = None if ends is None else documents(ends)
+        positions = None  # 0 .. seq-1 in every row
+        if decoding is not None:
+            positions = decoding[1].positions
+        elif docs is not None:
+            positions = docs.positions
         rope, dim = None, self.config.kv_channels
-        if self.rope_base is not None and decoding is None:
+        if self.rope_base is not None and positions is None:
             seq_len = hidden_states.shape[0]  # this rank's part under sequence parallelism
             if self.config.sequence_parallel:
                 seq_len *= self.config.tensor_model_parallel_size
             rope = rotary_frequencies(seq_len, dim, self.rope_base, hidden_states.device)
         elif self.rope_base is not None:  # each row's own positions: [seq, batch, 1, dim]
-            rope = rotary_angles(decoding[1].positions.t(), dim, self.rope_base).unsqueeze(2)
+            rope = rotary_angles(positions.t(), dim, self.rope_base).unsqueeze(2)
         if decoding is None:  # (training's path, compiled: no context variable in it)
-            output, _ = super().forward(hidden_states, attention_mask=None, rotary_pos_emb=rope)
+            output, _ = super().forward(hidden_states, attention_mask=docs, rotary_pos_emb=rope)
             return output
         # megatron's SelfAttention has no argument to hand the core attention a cache of
         # ours: it is the core attention's DECODING for this one call
@@ -273,6 +333,28 @@ def vocab_parallel_logits(
     """Logits for this rank's vocabulary shard of the whole sequence (loss.tensor_parallel_input:
     `hidden` all-gathered under sequence parallelism, else its gradient summed over TP)."""
     return F.linear(tensor_parallel_input(hidden, sequence_parallel), weight)
+
+
+class _DropsDocumentEnds:
+    """The final norm takes what the last decoder layer returns: the hidden states, or
+    (hidden states, document ends), whose marks it drops."""
+
+    def forward(self, inputs: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+        return super().forward(inputs[0] if isinstance(inputs, tuple) else inputs)
+
+
+class FinalLayerNorm(_DropsDocumentEnds, LayerNorm):
+    """The sequence-parallel aware LayerNorm after the last decoder layer."""
+
+
+class FinalRMSNorm(_DropsDocumentEnds, RMSNorm):
+    """The sequence-parallel aware RMSNorm after the last decoder layer."""
+
+
+def final_norm_class(config: TransformerConfig) -> type[torch.nn.Module]:
+    """hidden_norm_class's norm taking the last layer's output as it comes; built with
+    (hidden_size, eps=..., sequence_parallel=config.sequence_parallel)."""
+    return FinalRMSNorm if config.normalization == "RMSNorm" else FinalLayerNorm
 
 
 class OutputLayer(ColumnParallelLinear):
@@ -331,8 +413,9 @@ class BeliefLM(MegatronModule):
     `recompute` (train.activation_checkpointing) and `loss_chunk_tokens`
     (train.loss_chunk_tokens) change how training computes, never the result, and so does
     `sequence_parallel` (parallel.sequence_parallel, resolved); `z_loss` (train.z_loss)
-    adds the z-loss to the objective, reported by get_additional_losses. Decoding with a
-    cache needs sequence parallelism off (evaluation and generation build the model
+    adds the z-loss to the objective, reported by get_additional_losses. `eos_id` (the
+    tokenizer's EOS) is where documents end under model.attention_mask=document. Decoding
+    with a cache needs sequence parallelism off (evaluation and generation build the model
     without it: it changes no weight)."""
 
     def __init__(
@@ -344,18 +427,22 @@ class BeliefLM(MegatronModule):
         *,
         recompute: str = "none",
         loss_chunk_tokens: int = 0,
+        eos_id: int | None = None,
         z_loss: float = 0.0,
         sequence_parallel: bool = False,
     ):
         config = transformer_config(model, tensor_parallel, sequence_parallel)
         super().__init__(config=config)
         self.model_config = model
-        self.embedding = TokenEmbedding(config, model, vocab_size, stage_seed(seed, 0))
+        self.embedding = TokenEmbedding(config, model, vocab_size, stage_seed(seed, 0), eos_id)
         self.layers = torch.nn.ModuleList(
             DecoderLayer(config, model, i + 1, stage_seed(seed, i + 1), recompute)
             for i in range(model.num_layers)
         )
-        self.final_norm = HiddenNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+        self.final_norm = final_norm_class(config)(
+            config.hidden_size, eps=config.layernorm_epsilon,
+            sequence_parallel=config.sequence_parallel,
+        )  # fmt: skip
         self.output_layer = OutputLayer(
             config, vocab_size, model.tie_embeddings, stage_seed(seed, model.num_layers + 1),
             loss_chunk_tokens, z_loss,
@@ -377,10 +464,7 @@ class BeliefLM(MegatronModule):
         else:
             if self.config.sequence_parallel:
                 raise ValueError("decoding with a cache needs sequence parallelism off")
-            step = cache.step(torch.ones_like(tokens, dtype=torch.bool))
-            hidden = self.embedding(tokens, step.positions)
-            for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-                hidden = layer(hidden, (layer_cache, step))
+            hidden = self._decode(tokens, cache)
         tied = self.embedding.word_embeddings.weight if self.model_config.tie_embeddings else None
         hidden = self.final_norm(hidden)
         if labels is None:
@@ -393,6 +477,20 @@ class BeliefLM(MegatronModule):
         pipeline engine asks a PipelineModule: {"z_loss": its z-loss term} with
         train.z_loss, else None."""
         return {"z_loss": self.last_z_loss} if self.z_loss else None
+
+    def _decode(self, tokens: Tensor, cache: DecodeCache) -> Tensor:
+        """Hidden states [seq, batch, hidden] of `tokens` continuing `cache`: one step, or
+        with documents one per run of tokens up to an EOS (DecodeCache.steps)."""
+        valid = torch.ones_like(tokens, dtype=torch.bool)
+        eos_id = self.embedding.eos_id
+        ends = None if eos_id is None else tokens == eos_id
+        parts = []
+        for run, step in cache.steps(valid, ends):
+            hidden = self.embedding(tokens[:, run], step.positions)
+            for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+                hidden = layer(hidden, (layer_cache, step))
+            parts.append(hidden)
+        return torch.cat(parts)
 
     def decode_cache(self) -> DecodeCache:
         """An empty cache for decoding with `forward(tokens, cache=...)`."""

@@ -13,6 +13,12 @@ own or the embedding's; its gradient comes from the loss_fn's backward like any 
 (a tied one is then summed across stages as usual). The weight is used outside its
 module's forward, which only ZeRO-3 would mind, and pipelines run ZeRO 0-1.
 
+Under model.attention_mask=document a stage hands the next (hidden states, document ends):
+DeepSpeed's stage boundary takes a tuple whose last element is a boolean mask (sent as
+half precision, received back as bool, never given a gradient) once the engine is told
+(`set_has_attention_mask`, build_engine); every stage derives the documents from the
+marks. Shapes stay static: the marks are [micro-batch, seq] like the tokens.
+
 With train.z_loss the loss_fn's gradient includes the z-loss, and `BeliefPipeline` reports
 its term through DeepSpeed's get_additional_losses: the pipeline engine sums it over the
 micro-batches, averages it over data parallelism and broadcasts it to every stage, as it
@@ -33,7 +39,7 @@ from belief_lm.model.gpt import (
     DecoderLayer,
     OutputLayer,
     TokenEmbedding,
-    hidden_norm_class,
+    final_norm_class,
     stage_seed,
     transformer_config,
     vocab_parallel_logits,
@@ -66,7 +72,10 @@ class BeliefPipeline(PipelineModule):
     stage's logits, or a chunk at a time from its (hidden, weight) with
     `loss_chunk_tokens`; with the z-loss of coefficient `z_loss`, whose term of the last
     micro-batch get_additional_losses reports (on every stage: the engine asks each for
-    the names it will receive)."""
+    the names it will receive). The train step sets `label_weights`, one factor per
+    micro-batch of the step (train/engine.py label_weights: the loss weighted by tokens),
+    which the loss_fn uses up in the order the engine runs them; once they are used up (as
+    in evaluation), each micro-batch's own mean."""
 
     def __init__(
         self,
@@ -80,6 +89,7 @@ class BeliefPipeline(PipelineModule):
         self.loss_chunk_tokens, self.z_loss = loss_chunk_tokens, z_loss
         self.sequence_parallel = sequence_parallel
         self.last_z_loss = torch.zeros(())
+        self.label_weights: list[Tensor] = []
 
     def loss(self, outputs, labels: Tensor) -> Tensor:
         if self.loss_chunk_tokens:
@@ -90,8 +100,9 @@ class BeliefPipeline(PipelineModule):
             )  # fmt: skip
         else:
             terms = lm_loss(outputs, labels, self.z_loss)
-        self.last_z_loss = terms.z_loss
-        return terms.loss
+        share = self.label_weights.pop(0) if self.label_weights else 1.0
+        self.last_z_loss = terms.z_loss * share
+        return terms.loss * share
 
     def get_additional_losses(self) -> dict[str, Tensor] | None:
         return {"z_loss": self.last_z_loss} if self.z_loss else None
@@ -105,19 +116,21 @@ def layer_specs(
     chunked: bool = False,
     recompute: str = "none",
     sequence_parallel: bool = False,
+    eos_id: int | None = None,
 ) -> list:
     """[embedding, layer 1..L, final norm, output] as DeepSpeed layer specs; `chunked`: the
     output stage returns (hidden, weight) for a chunked loss instead of logits; `recompute`:
     train.activation_checkpointing; `sequence_parallel`: parallel.sequence_parallel,
-    resolved (the stages then pass [seq / TP, batch, hidden] between them)."""
+    resolved (the stages then pass [seq / TP, batch, hidden] between them); `eos_id`: the
+    tokenizer's EOS (document masks)."""
     config = transformer_config(model, tensor_parallel, sequence_parallel)
-    embedding_args = (TokenEmbedding, config, model, vocab_size, stage_seed(seed, 0))
+    embedding_args = (TokenEmbedding, config, model, vocab_size, stage_seed(seed, 0), eos_id)
     layers = [
         LayerSpec(DecoderLayer, config, model, i + 1, stage_seed(seed, i + 1), recompute)
         for i in range(model.num_layers)
     ]
     norm = LayerSpec(
-        hidden_norm_class(config), config.hidden_size, eps=config.layernorm_epsilon,
+        final_norm_class(config), config.hidden_size, eps=config.layernorm_epsilon,
         sequence_parallel=config.sequence_parallel,
     )  # fmt: skip
     if model.tie_embeddings:
@@ -140,12 +153,14 @@ def build_pipeline(
     seed: int,
     loss_chunk_tokens: int = 0,
     recompute: str = "none",
+    eos_id: int | None = None,
     z_loss: float = 0.0,
     sequence_parallel: bool = False,
 ) -> PipelineModule:
     """This rank's stage of the pipelined model; decoder layers are balanced over stages.
     `loss_chunk_tokens` is train.loss_chunk_tokens, `recompute`
-    train.activation_checkpointing, `z_loss` train.z_loss, `sequence_parallel`
+    train.activation_checkpointing, `eos_id` the tokenizer's EOS (where documents end under
+    model.attention_mask=document), `z_loss` train.z_loss, `sequence_parallel`
     parallel.sequence_parallel (resolved). The output stage's copy of a
     tied embedding is marked `pipeline_duplicate`: sums over the whole model (parameter
     count, gradient norm) must not count it twice."""
@@ -158,6 +173,7 @@ def build_pipeline(
             loss_chunk_tokens > 0,
             recompute,
             sequence_parallel,
+            eos_id,
         ),
         topology=topology,
         partition_method="type:DecoderLayer",

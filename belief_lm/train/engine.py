@@ -5,6 +5,15 @@ parallelism described to DeepSpeed by the mpu adapter); with it, the pipeline en
 1F1B over the stages of `belief_lm.model.pipeline` (ZeRO-1 at most: DeepSpeed's limit).
 We hand DeepSpeed a ready optimizer and scheduler; the engine owns the accumulation
 boundary, clipping, the optimizer/scheduler steps, and checkpoints.
+
+The loss is weighted by tokens (Megatron's calculate_per_token_loss): a step's loss, and
+its gradient, is the sum of its label tokens' cross entropies over every micro-batch and
+data-parallel rank divided by the step's label count, whatever the split. The model returns
+each micro-batch's mean over its own labels; `label_weights` turns those into shares of
+the step's token mean (one all-reduce of the label count per step), so that DeepSpeed's
+division by the accumulation steps and its average over data parallelism (plain and
+pipeline engine alike) leave exactly that. A padded window at an epoch's end, or masked
+labels, then weigh each token like a full batch's.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from megatron.core import parallel_state as ps
 from belief_lm import compat
 from belief_lm.config import Config
 from belief_lm.model.gpt import BeliefLM
+from belief_lm.model.loss import IGNORE_INDEX
 from belief_lm.parallel.dims import Layout
 from belief_lm.parallel.gather import count_model_parameters, counted_once
 from belief_lm.parallel.mpu import MegatronMPU
@@ -75,8 +85,9 @@ class TrainEngine:
     def train_step(
         self, micro_batches: Iterator, screen: Callable[[torch.Tensor], bool] | None = None
     ) -> torch.Tensor:
-        """One optimizer step over the accumulation micro-batches; returns the mean loss of
-        this rank's micro-batches (a device tensor: reading it is the caller's sync).
+        """One optimizer step over the accumulation micro-batches; returns this rank's share
+        of the step's token-weighted loss, whose `global_mean` is the step's loss (a device
+        tensor: reading it is the caller's sync; with one data-parallel rank, the loss).
 
         `screen`, when given, sees that loss once the step's gradients are complete and
         before the update, and returns whether to skip the update (the optimizer makes
@@ -84,21 +95,23 @@ class TrainEngine:
         train_batch, so `screen` sees the loss only afterwards and may not ask to skip."""
         engine, guard = self.deepspeed, self.guard
         guard.skipped = guard.nonfinite = None
+        accumulation = engine.gradient_accumulation_steps()
+        batches = [next(micro_batches) for _ in range(accumulation)]
+        weights = label_weights(engine, [labels for _, labels in batches])
         if self.pipelined:  # 1F1B over all micro-batches, optimizer step included
-            loss = engine.train_batch(data_iter=micro_batches)
+            engine.module.label_weights = list(weights)  # the loss_fn's, in the engine's order
+            loss = engine.train_batch(data_iter=iter(batches))
             self.reported = dict(engine.get_additional_losses() or {})
             if screen is not None and screen(loss):
                 raise RuntimeError("a pipelined step was asked to skip its update after it")
             return loss
-        accumulation = engine.gradient_accumulation_steps()
         total, self.reported = None, {}
-        for micro in range(accumulation):
-            tokens, labels = next(micro_batches)
-            loss = engine(tokens, labels)
+        for micro, ((tokens, labels), weight) in enumerate(zip(batches, weights, strict=True)):
+            loss = engine(tokens, labels) * weight
             engine.backward(loss)  # DeepSpeed divides by the accumulation steps
             total = loss.detach() if total is None else total + loss.detach()
             for name, value in (engine.module.get_additional_losses() or {}).items():
-                self.reported[name] = self.reported.get(name, 0) + value / accumulation
+                self.reported[name] = self.reported.get(name, 0) + value * weight / accumulation
             if self.before_update is not None and micro == accumulation - 1:
                 self.before_update()
             if screen is not None and micro == accumulation - 1:
@@ -129,6 +142,21 @@ class TrainEngine:
         return loss.item()  # host-device sync
 
 
+def label_weights(engine, labels: list[torch.Tensor]) -> torch.Tensor:
+    """Per micro-batch of this rank's step, the factor that turns its mean loss (over its
+    own labels) into its share of the step's token mean: its label count x accumulation
+    steps x data-parallel ranks / the step's label count over all of them (all-reduced over
+    data parallelism; DeepSpeed divides by the first two factors again). A step with no
+    label at all weighs 0."""
+    device = engine.device
+    counts = torch.stack([(part != IGNORE_INDEX).sum() for part in labels]).to(device)
+    total = counts.sum()
+    ranks = engine.dp_world_size
+    if ranks > 1:
+        dist.all_reduce(total, group=engine.data_parallel_group)  # where gradients average
+    return counts * (len(labels) * ranks) / total.clamp_min(1)
+
+
 def build_engine(
     cfg: Config,
     layout: Layout,
@@ -139,11 +167,13 @@ def build_engine(
     accumulation: int,
     load_universal: bool = False,
     weights: dict[str, torch.Tensor] | None = None,
+    eos_id: int | None = None,
 ) -> TrainEngine:
     """Build this rank's model (or pipeline stage) and wrap it in DeepSpeed's engine.
     `bf16` and `accumulation` are pre-flight's (preflight.Preflight); `load_universal`: the
     checkpoint to resume from is in DeepSpeed's universal format; `weights`: whole tensors
-    (BeliefLM's names) to start from instead of the seeded init."""
+    (BeliefLM's names) to start from instead of the seeded init; `eos_id`: the tokenizer's
+    EOS, where documents end under model.attention_mask=document."""
     import deepspeed  # imported after select_device set the accelerator
 
     from belief_lm.model.pipeline import build_pipeline, canonical_name
@@ -156,6 +186,7 @@ def build_engine(
         "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
         "recompute": cfg.train.activation_checkpointing,
         "sequence_parallel": cfg.parallel.sequence_parallel_on,
+        "eos_id": eos_id,
     }
     z_loss = cfg.train.z_loss  # part of the objective
     if pipelined:
@@ -190,6 +221,8 @@ def build_engine(
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu
     )
+    if pipelined and cfg.model.attention_mask == "document":
+        engine.set_has_attention_mask(True)  # stages hand on (hidden, document ends: bool)
     return TrainEngine(engine, guard, parameters, pipelined)
 
 

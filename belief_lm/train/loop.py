@@ -229,7 +229,7 @@ class Trainer:
         weights = trainer_state.weights_only(resume)  # an imported model: its weights alone
         engine = build_engine(
             cfg, layout, vocab_size, device, bf16=plan.bf16, accumulation=plan.grad_accumulation,
-            load_universal=other_layout, weights=weights,
+            load_universal=other_layout, weights=weights, eos_id=tokenizer.eos_id,
         )  # fmt: skip
         data = build_train_data(
             cfg.data, tokenizer, cfg.model.seq_length, cfg.train.global_batch_size,

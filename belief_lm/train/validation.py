@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from belief_lm.model.loss import IGNORE_INDEX
 from belief_lm.parallel.collectives import collective_device
 from belief_lm.parallel.dims import Layout
+from belief_lm.train.engine import label_weights
 from data_pipeline.build import build_validation_data
 from data_pipeline.config import DataConfig
 from data_pipeline.tokenizer import Tokenizer
@@ -40,21 +42,27 @@ def validation_batches(
 def validation_loss(
     model_or_engine, batches: list[Batch], pipelined: bool = False
 ) -> tuple[float, int]:
-    """Mean next-token loss over every rank's batches and the number of predicted tokens
+    """Mean next-token loss over every label of every rank's batches (weighted by tokens,
+    as training's: padded windows count for their labels only) and the number of labels
     (collective over the data-parallel group; the model is left in training mode)."""
+
     module = model_or_engine.module if hasattr(model_or_engine, "module") else model_or_engine
     was_training = module.training
     module.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # summed loss x tokens, tokens (on the host)
     try:
         if pipelined and batches:  # DeepSpeed runs the micro-batches through the stages
+            labels = [labels for _, labels in batches]
+            # its average over micro-batches and data parallelism: the token mean of all
+            module.label_weights = list(label_weights(model_or_engine, labels))
             loss = model_or_engine.eval_batch(iter(batches), num_micro_batches=len(batches))
-            tokens = sum(labels.numel() for _, labels in batches)  # equal-size micro-batches
+            tokens = sum(int((part != IGNORE_INDEX).sum()) for part in labels)
             totals += torch.tensor([float(loss) * tokens, tokens], dtype=torch.float64)
         else:
             for tokens, labels in batches:
-                totals[0] += float(module(tokens, labels)) * labels.numel()
-                totals[1] += labels.numel()
+                count = int((labels != IGNORE_INDEX).sum())
+                totals[0] += float(module(tokens, labels)) * count
+                totals[1] += count
     finally:
         module.train(was_training)
     if dist.is_initialized():

@@ -185,6 +185,39 @@ def test_generate_with_the_cache_equals_without_it_and_ours(
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("variant", "arch"), [("attention_bn_sh", "llama"), ("attention_sh", "gpt2")]
+)
+def test_document_mask_is_exported(make_checkpoint, tmp_path, variant, arch):
+    """A model trained with model.attention_mask=document: the export computes ours on a
+    single document and on packed ones (EOS inside), whole, through the cache (EOS in the
+    prompt and fed alone) and as a row of a left-padded batch."""
+    checkpoint = make_checkpoint(
+        seed=3, attention=variant, attention_mask="document", **ARCHITECTURES[arch]
+    )
+    ours = load_model(checkpoint, device="cpu").model
+    _, hf = hf_export(checkpoint, tmp_path)
+    assert hf.config.attention_mask_type == "document" and hf.config.eos_token_id == 2
+    single = tokens(16).masked_fill(tokens(16) == 2, 5)  # no EOS: one document a row
+    packed = tokens(16, seed=4)
+    packed[:, [3, 4, 10]] = 2  # documents of 4, 1, 6 and 5 tokens
+    with torch.no_grad():
+        for ids in (single, packed):
+            expected = ours(ids).transpose(0, 1)
+            torch.testing.assert_close(hf(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        out = hf(packed[:, :6], use_cache=True)
+        steps = [out.logits]
+        for i in range(6, 16):
+            out = hf(packed[:, i : i + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-4)
+        mask = torch.ones_like(packed)
+        mask[1, :5] = 0  # row 1: 5 tokens of left padding
+        padded = hf(packed, attention_mask=mask).logits[1, 5:]
+        alone = hf(packed[1:, 5:]).logits[0]
+        torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-4)
+
+
 def test_real_checkpoint_loads_without_belief_lm(trained_checkpoint, tmp_path):
     """A trained checkpoint, exported, then loaded by a process where belief-lm, megatron and
     DeepSpeed cannot be imported: same logits, same ids, same greedy continuation."""

@@ -152,6 +152,46 @@ def test_cached_decoding_equals_recomputing(single_process_group, variant, arch)
     assert cached == recomputed and len(set(cached)) > 2, cached
 
 
+DOCUMENT_CASES = [("attention_bn_sh", "llama"), ("attention_sh", "gpt2")]
+"""Every running statistic with RoPE, Attention-SH's slots with learned positions."""
+
+
+@pytest.mark.parametrize(("variant", "arch"), DOCUMENT_CASES)
+def test_document_mask_decoding(single_process_group, variant, arch):
+    """model.attention_mask=document through the cache: a prompt holding EOS (fed whole, and
+    then EOS fed alone) gives the whole sequence's logits; a prompt's earlier documents do
+    not change what follows once the current document has begun, with or without the
+    cache, greedy or sampled (under the causal mask they do)."""
+    from belief_lm.config import ModelConfig
+    from belief_lm.model.gpt import BeliefLM
+
+    eos = 2
+    models = {
+        mask: BeliefLM(ModelConfig(**SMALL, attention=variant, attention_mask=mask,
+                                   **ARCHITECTURES[arch]), 512, seed=3, eos_id=eos).eval()
+        for mask in ("document", "causal")
+    }  # fmt: skip
+    model = models["document"]
+    ids = tokens(16, rows=1)
+    ids[0, [3, 4, 9, 13]] = eos  # documents of 4, 1, 5, 4 tokens and one cut by the end
+    with torch.no_grad():
+        cache = model.decode_cache()
+        steps = [model(ids[:, :7], cache=cache)]  # with two EOS inside
+        steps += [model(ids[:, i : i + 1], cache=cache) for i in range(7, 16)]  # EOS alone
+        torch.testing.assert_close(torch.cat(steps), model(ids), rtol=1e-5, atol=1e-4)
+    earlier, current = ids[0, :10].tolist(), tokens(4, seed=5, rows=1)[0].tolist()
+    options = {"context_length": 16, "vocab_size": 400}
+    for sampling in (Sampling(temperature=0), Sampling(top_k=20)):
+        for use_cache in (True, False):
+            alone = generate(model, current, 5, sampling, **options, use_cache=use_cache)
+            after = generate(model, [*earlier, *current], 5, sampling, **options,
+                             use_cache=use_cache)  # fmt: skip
+            assert after == alone
+        causal = models["causal"]
+        alone = generate(causal, current, 5, sampling, **options)
+        assert generate(causal, [*earlier, *current], 5, sampling, **options) != alone
+
+
 def test_generate_command_prints_the_greedy_continuation(make_checkpoint):
     from test_cli import belief_lm  # the CLI as a subprocess, as tests/test_cli.py runs it
 

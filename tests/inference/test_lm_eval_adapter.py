@@ -133,3 +133,23 @@ def test_rolling_log_likelihood_scores_every_token_once(adapter):
 def test_a_continuation_longer_than_the_context_is_refused(adapter):
     with pytest.raises(ValueError, match="does not fit in the 16-token context"):
         adapter.score([([1], list(range(10, 30)))])
+
+
+def test_a_document_masked_checkpoint_scores_each_document_alone(make_checkpoint):
+    """model.attention_mask=document: batches (right-padded with EOS, documents of their
+    own after each sequence) score as one request at a time, and a context after an
+    earlier document and its EOS scores as the context alone."""
+    from belief_lm.inference.lm_eval_adapter import BeliefLMEval
+
+    checkpoint = make_checkpoint(seed=6, attention="attention_bn_sh", attention_mask="document")
+    adapter = BeliefLMEval(checkpoint, batch_size=3)
+    tokenizer = adapter.loaded.tokenizer
+    texts = [("A for", " loop"), ("The import", " statement imports"), ("x", " y z")]
+    pairs = [split(tokenizer, context, continuation) for context, continuation in texts]
+    earlier = [*tokenizer.encode("The while"), tokenizer.eos_id]
+    alone = adapter.score(pairs)
+    after = adapter.score([(earlier + context, continuation) for context, continuation in pairs])
+    for (context, continuation), score, later in zip(pairs, alone, after, strict=True):
+        direct = direct_logprob(adapter.loaded.model, context, continuation, 16)
+        assert score[0] == pytest.approx(direct, abs=1e-4)
+        assert later[0] == pytest.approx(score[0], abs=1e-4) and later[1] == score[1]

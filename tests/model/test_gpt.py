@@ -115,11 +115,15 @@ def test_vocab_padding():
         padded_vocab_size(4097, tiny, 5)
 
 
-@pytest.mark.parametrize("variant", ["softmax", "belief_star", "attention_bn_sh"])
-def test_recompute_gives_the_same_gradients(variant, monkeypatch):
+@pytest.mark.parametrize(
+    ("variant", "mask"),
+    [("softmax", "causal"), ("belief_star", "causal"), ("attention_bn_sh", "causal"),
+     ("attention_bn_sh", "document")],
+)  # fmt: skip
+def test_recompute_gives_the_same_gradients(variant, mask, monkeypatch):
     """train.activation_checkpointing: selective reruns each layer's attention core in
     backward, full each whole layer; both give the loss and every gradient of storing
-    everything (fp32)."""
+    everything (fp32), under the document mask too (an EOS every few tokens)."""
     calls = {"layer": 0, "core": 0}
 
     def counting(cls, name, key):
@@ -133,11 +137,12 @@ def test_recompute_gives_the_same_gradients(variant, monkeypatch):
 
     counting(DecoderLayer, "_forward", "layer")
     counting(FamilyCoreAttention, "_attend", "core")
-    cfg = tiny_model(variant)
+    cfg = tiny_model(variant, attention_mask=mask)
     rows = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    rows[:, 5::7] = 2  # EOS: documents of 7 tokens
     results = {}
     for mode in ("none", "selective", "full"):
-        model = BeliefLM(cfg, 256, seed=3, recompute=mode)
+        model = BeliefLM(cfg, 256, seed=3, recompute=mode, eos_id=2)
         calls.update(layer=0, core=0)
         loss = model(rows[:, :-1], rows[:, 1:])
         loss.backward()

@@ -42,41 +42,50 @@ NO_SEQUENCE_PARALLEL_VARIANTS = ["belief_star", "attention_sh"]
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Path:
-    """Single-process (TP=PP=DP=1) records of every variant, of STABILITY_VARIANTS with
-    QK-norm and a z-loss (the plain loss), and of GPT2_VARIANTS at the GPT-2 architecture."""
+    """Single-process (TP=PP=DP=1) records of every variant under the causal and the
+    document mask, of STABILITY_VARIANTS with QK-norm and a z-loss (the plain loss;
+    their document-masked runs with both as well), of GPT2_VARIANTS at the GPT-2
+    architecture, and belief_star's on masked labels (driver --padded: micro-batches of
+    unequal label counts, accumulation 4)."""
     from belief_lm.variants import VARIANTS
 
-    stability, gpt2 = ",".join(STABILITY_VARIANTS), ",".join(GPT2_VARIANTS)
+    every, stability, gpt2 = list(VARIANTS), ",".join(STABILITY_VARIANTS), ",".join(GPT2_VARIANTS)
     return run_driver(
-        tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, list(VARIANTS), "--stability", stability,
-        "--gpt2", gpt2,
+        tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, every, "--documents", ",".join(every),
+        "--stability", stability, "--padded", "belief_star", "--gpt2", gpt2,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def tp2(tmp_path_factory) -> Path:
-    """TP=2 records (sequence parallelism on: the default) of every variant, of
-    STABILITY_VARIANTS with QK-norm and a z-loss over loss chunks, of GPT2_VARIANTS at the
-    GPT-2 architecture, and of NO_SEQUENCE_PARALLEL_VARIANTS with sequence parallelism off
-    (one torchrun: start-up dominates on CPU)."""
+    """TP=2 records (sequence parallelism on: the default) of every variant under both
+    masks, of STABILITY_VARIANTS with QK-norm and a z-loss over loss chunks, of
+    GPT2_VARIANTS at the GPT-2 architecture, and of NO_SEQUENCE_PARALLEL_VARIANTS with
+    sequence parallelism off (one torchrun: start-up dominates on CPU)."""
     from belief_lm.variants import VARIANTS
 
-    stability, gpt2 = ",".join(STABILITY_VARIANTS), ",".join(GPT2_VARIANTS)
+    every, stability, gpt2 = list(VARIANTS), ",".join(STABILITY_VARIANTS), ",".join(GPT2_VARIANTS)
     return run_driver(
-        tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, list(VARIANTS), "--stability", stability,
-        "--chunk", "13", "--gpt2", gpt2, "--no-sp", ",".join(NO_SEQUENCE_PARALLEL_VARIANTS),
+        tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, every, "--documents", ",".join(every),
+        "--stability", stability, "--chunk", "13", "--gpt2", gpt2,
+        "--no-sp", ",".join(NO_SEQUENCE_PARALLEL_VARIANTS),
     )  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def tp2_pp2_dp2(tmp_path_factory) -> Path:
     """belief_star records at TP=2 x PP=2 x DP=2 (ZeRO-1), checkpointed after its last step
-    (8 processes: one run serves the equivalence and the change-of-layout tests), and with
-    QK-norm and a z-loss (the z-loss reported through the pipeline engine)."""
+    (8 processes: one run serves the equivalence and the change-of-layout tests), with
+    QK-norm and a z-loss (the z-loss reported through the pipeline engine), and
+    belief_star's (with QK-norm and the z-loss too) and attention_bn_sh's under the
+    document mask, and belief_star's on masked labels (the pipeline's loss_fn weighted by
+    tokens)."""
     out = tmp_path_factory.mktemp("tp2pp2dp2")
+    documents = ["--documents", "belief_star,attention_bn_sh"]
     return run_driver(
-        out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3", "--stability", "belief_star"
-    )
+        out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3", "--stability", "belief_star",
+        *documents, "--padded", "belief_star",
+    )  # fmt: skip
 
 
 def load_run(out_dir: Path, variant: str, zero: int) -> dict:

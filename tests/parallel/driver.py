@@ -3,8 +3,10 @@
     torchrun --nproc_per_node=N tests/parallel/driver.py OUT TP PP ZERO[,ZERO..] VARIANT[,VARIANT..]
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --save-at K
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --resume CHECKPOINT
+    torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --documents VARIANT[,..]
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --stability VARIANT[,..]
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --gpt2 V[,..] --no-sp V[,..]
+        --padded VARIANT [--padded-micro MICRO[,MICRO..]]
 
 Builds the engine exactly as training does (build_engine, through tests.models.engine_for) and runs
 a few steps with train_step, on data that depends only on (step, global sequence index),
@@ -12,12 +14,22 @@ so every layout sees the same global batch. Records on every rank: the global-ba
 of each step, the full gradient of every parameter just before each optimizer step
 (ZeRO fragments and TP shards gathered, pipeline names mapped to BeliefLM's), and the full
 parameters at the end, and each step's z-loss when train.z_loss is set. Writes
-OUT_DIR/<variant>-zero<stage>-rank<r>.pt. With --stability, the variants named there also
-train with model.qk_norm and train.z_loss (STABILITY; with --chunk N a chunked loss too),
-written as OUT_DIR/<variant>-stability-zero<stage>-rank<r>.pt. Likewise --gpt2 (GPT2: the
-LayerNorm / GELU / learned-positions / biases architecture, whose norm biases, position
-embeddings and row-parallel biases sequence parallelism also touches) and --no-sp
-(parallel.sequence_parallel=false), written as <variant>-gpt2-... and <variant>-nosp-....
+OUT_DIR/<variant>-zero<stage>-rank<r>.pt. With --documents, the variants named there also
+train under model.attention_mask=document, on the same table with an EOS (DOCUMENT_END)
+closing documents of 1 to 6 tokens, written as
+OUT_DIR/<variant>-documents-zero<stage>-rank<r>.pt. With --stability, the variants named
+there also train with model.qk_norm and train.z_loss (STABILITY; with --chunk N a chunked
+loss too), written as OUT_DIR/<variant>-stability-zero<stage>-rank<r>.pt; a variant named
+in both trains its document-masked run with QK-norm and the z-loss as well. With
+--padded, that variant also trains on the same table with labels masked (PADDED: a random
+number of labels kept per row, every fifth row a padded window without any), at each
+micro-batch size of --padded-micro (default MICRO; the accumulation steps follow), under
+the first ZeRO stage only, written as OUT_DIR/<variant>-padded-micro<M>-zero<stage>-rank<r>.pt:
+the loss weighted by tokens makes every split of such a step the same step.
+Likewise --gpt2 (GPT2: the LayerNorm / GELU / learned-positions / biases architecture,
+whose norm biases, position embeddings and row-parallel biases sequence parallelism also
+touches) and --no-sp (parallel.sequence_parallel=false), written as <variant>-gpt2-... and
+<variant>-nosp-....
 """
 
 from __future__ import annotations
@@ -46,6 +58,8 @@ from belief_lm.train import trainer_state  # noqa: E402
 from tests.models import engine_for  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
+DOCUMENT_END = 2
+"""The EOS id of the document-masked runs (a trained tokenizer's)."""
 STABILITY = ("model.qk_norm=true", "train.z_loss=0.01")
 """The stability options' runs: QK-norm and a z-loss large enough to move the gradients."""
 VARIATIONS = {
@@ -56,6 +70,9 @@ VARIATIONS = {
     "nosp": ("parallel.sequence_parallel=false",),
 }  # fmt: skip
 """The other named runs (--gpt2, --no-sp): their config overrides."""
+
+IGNORE = -100
+"""A label not trained on (belief_lm.model.loss.IGNORE_INDEX)."""
 
 
 def config(tp: int, pp: int, zero: int, variant: str, *overrides: str):
@@ -78,22 +95,33 @@ class GlobalBatches:
     fixed random table, and DP rank r takes rows r*GA*M .. (r+1)*GA*M - 1 of each step.
     Its state (the next step) does not depend on the layout, so it resumes on any."""
 
-    def __init__(self, accumulation: int, steps: int = 64):
+    def __init__(
+        self, accumulation: int, steps: int = 64, documents: bool = False,
+        padded: bool = False, micro: int = MICRO,
+    ):  # fmt: skip
         gen = torch.Generator().manual_seed(0)
         self.table = torch.randint(0, VOCAB, (steps * GLOBAL_BATCH, SEQ + 1), generator=gen)
-        self.accumulation, self.step, self.micro = accumulation, 0, 0
+        if documents:  # about one token in four an EOS: several documents in every window
+            ends = torch.rand(self.table.shape, generator=gen) < 0.25
+            self.table = self.table.masked_fill(ends, DOCUMENT_END)
+        self.labels = self.table[:, 1:]
+        if padded:  # each row keeps 0 to SEQ labels (every fifth none: a padded window)
+            kept = torch.randint(0, SEQ + 1, (len(self.table), 1), generator=gen)
+            kept[4::5] = 0
+            self.labels = self.labels.masked_fill(torch.arange(SEQ) >= kept, IGNORE)
+        self.accumulation, self.micro_size, self.step, self.micro = accumulation, micro, 0, 0
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        rank = ps.get_data_parallel_rank()
-        start = self.step * GLOBAL_BATCH + (rank * self.accumulation + self.micro) * MICRO
-        rows = self.table[start : start + MICRO]
+        rank, size = ps.get_data_parallel_rank(), self.micro_size
+        start = self.step * GLOBAL_BATCH + (rank * self.accumulation + self.micro) * size
+        rows = slice(start, start + size)
         self.micro += 1
         if self.micro == self.accumulation:
             self.step, self.micro = self.step + 1, 0
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        return self.table[rows, :-1].contiguous(), self.labels[rows].contiguous()
 
     def state_dict(self) -> dict:
         return {"step": self.step, "micro": self.micro}
@@ -108,18 +136,24 @@ def probe_tokens() -> torch.Tensor:
 
 def run(
     out_dir: str, tp: int, pp: int, zero: int, variant: str, save_at=None, resume=None,
-    steps=STEPS, overrides: tuple[str, ...] = (), name: str | None = None,
+    steps=STEPS, overrides: tuple[str, ...] = (), name: str | None = None, padded=False,
 ) -> None:  # fmt: skip
-    """Train and record one run; its file is named after `name` (default: the variant)."""
+    """Train and record one run; its file is named after `name` (default: the variant);
+    `padded`: on labels masked (GlobalBatches)."""
     cfg = config(tp, pp, zero, variant, *overrides)
     cfg.run.output_dir = out_dir
     cfg.checkpoint.resume = resume or "never"
     layout = init_model_parallel(tp, pp)
     # the synthetic data below resumes at any data-parallel size: only the weights' checks
     plan = resume_from(cfg, ParallelDims(dist.get_world_size(), tp, pp))
-    trainee = engine_for(cfg, layout, VOCAB, load_universal=plan is not None and plan.other_layout)
+    universal = plan is not None and plan.other_layout
+    trainee = engine_for(cfg, layout, VOCAB, load_universal=universal, eos_id=DOCUMENT_END)
     engine = trainee.deepspeed
-    data = GlobalBatches(engine.gradient_accumulation_steps())
+    documents = cfg.model.attention_mask == "document"
+    data = GlobalBatches(
+        engine.gradient_accumulation_steps(), documents=documents, padded=padded,
+        micro=cfg.train.micro_batch_size,
+    )  # fmt: skip
     first = 0
     if plan is not None:
         first = trainer_state.restore(plan, cfg, engine, layout)
@@ -178,22 +212,38 @@ def run(
 
 def main() -> None:
     out_dir, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    zero_stages, variants = map(int, sys.argv[4].split(",")), sys.argv[5].split(",")
+    zero_stages, variants = [int(z) for z in sys.argv[4].split(",")], sys.argv[5].split(",")
     options = dict(zip(sys.argv[6::2], sys.argv[7::2], strict=True))
     device = select_device("cpu")
     init_distributed(detect(), device, timeout_s=300)
     save_at = int(options["--save-at"]) if "--save-at" in options else None
     steps = int(options.get("--steps", STEPS))
-    stability = (*STABILITY, f"train.loss_chunk_tokens={options.get('--chunk', 0)}")
-    variations = {"stability": stability, **VARIATIONS}
+    documents = options.get("--documents", "").split(",")
+    stabilized = options.get("--stability", "").split(",")
+    padded = options.get("--padded-micro", str(MICRO)) if "--padded" in options else ""
+    padded_micro = [int(m) for m in filter(None, padded.split(","))]
+    stability = [*STABILITY, f"train.loss_chunk_tokens={options.get('--chunk', 0)}"]
     for zero in zero_stages:  # one process group for all: start-up dominates on CPU
         for variant in variants:
             run(out_dir, tp, pp, zero, variant, save_at, options.get("--resume"), steps)
-        for kind, overrides in variations.items():
+        for variant in filter(None, documents):
+            together = STABILITY if variant in stabilized else ()  # the mask with both
+            overrides = ("model.attention_mask=document", *together)
+            name = f"{variant}-documents"
+            run(out_dir, tp, pp, zero, variant, overrides=overrides, name=name, steps=steps)
+        for variant in filter(None, stabilized):
+            name = f"{variant}-stability"
+            run(out_dir, tp, pp, zero, variant, overrides=tuple(stability), name=name, steps=steps)
+        for kind, overrides in VARIATIONS.items():
             option = "--no-sp" if kind == "nosp" else f"--{kind}"
             for variant in filter(None, options.get(option, "").split(",")):
                 name = f"{variant}-{kind}"
                 run(out_dir, tp, pp, zero, variant, overrides=overrides, name=name, steps=steps)
+        for micro in padded_micro if zero == zero_stages[0] else []:
+            overrides = (f"train.micro_batch_size={micro}",)
+            name = f"{options['--padded']}-padded-micro{micro}"
+            run(out_dir, tp, pp, zero, options["--padded"], overrides=overrides, name=name,
+                steps=steps, padded=True)  # fmt: skip
     dist.barrier()
 
 

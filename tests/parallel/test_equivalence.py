@@ -49,6 +49,17 @@ def test_tensor_parallel_without_sequence_parallel(reference, tp2, variant):
     assert_equivalent(load_run(tp2, f"{variant}-nosp", 1), load_run(reference, variant, 1))
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tensor_parallel_document_mask(reference, tp2, variant):
+    """model.attention_mask=document at TP=2 (each rank's heads, the documents alike on
+    both) against one process, every variant (STABILITY_VARIANTS with QK-norm and the
+    z-loss as well)."""
+    name = f"{variant}-documents"
+    assert_equivalent(load_run(tp2, name, 1), load_run(reference, name, 1))
+    causal = load_run(reference, variant, 1)["losses"]
+    assert load_run(reference, name, 1)["losses"][0] != pytest.approx(causal[0], abs=1e-4)
+
+
 @pytest.mark.parametrize("variant", STABILITY_VARIANTS)
 def test_qk_norm_and_z_loss_tp2(reference, tp2, variant):
     """model.qk_norm (each rank normalizes its own heads with the shared weights, whose
@@ -76,6 +87,16 @@ def test_belief_star_tp2_pp2_dp2(reference, tp2_pp2_dp2):
     single = load_run(reference, "belief_star-stability", 1)
     assert_equivalent(run, single)
     assert run["z_losses"] == pytest.approx(single["z_losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["belief_star", "attention_bn_sh"])
+def test_document_mask_tp2_pp2_dp2(reference, tp2_pp2_dp2, variant):
+    """The document mask through pipeline stages (the boundary carrying the marks of where
+    documents end, as DeepSpeed's boolean last element) at TP=2 x PP=2 x DP=2, against one
+    process: belief_star (with QK-norm and the z-loss) and Attention-BN-SH (running
+    statistics)."""
+    name = f"{variant}-documents"
+    assert_equivalent(load_run(tp2_pp2_dp2, name, 1), load_run(reference, name, 1))
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +132,37 @@ def test_compiled_layers_pp2(pipeline_losses):
 @pytest.fixture(scope="module")
 def zero_stages(tmp_path_factory) -> Path:
     """belief_star at TP=2 x DP=2 under ZeRO-0 (in fp32 our optimizer hook clips, with the
-    norm's own counting rules: train/engine.py), -1, -2 and -3, one after another in one job."""
-    return run_driver(tmp_path_factory.mktemp("zero"), 2, 1, 2, "0,1,2,3", ["belief_star"])
+    norm's own counting rules: train/engine.py), -1, -2 and -3, one after another in one
+    job; under ZeRO-0 also on masked labels at micro-batches of 4, 2 and 1 (accumulation
+    1, 2 and 4)."""
+    return run_driver(
+        tmp_path_factory.mktemp("zero"), 2, 1, 2, "0,1,2,3", ["belief_star"],
+        "--padded", "belief_star", "--padded-micro", "4,2,1",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_stages_tp2_dp2(reference, zero_stages, zero):
     run = load_run(zero_stages, "belief_star", zero)
     assert_equivalent(run, load_run(reference, "belief_star", 1))
+
+
+@pytest.mark.parametrize("micro", [4, 2, 1])
+def test_token_weighted_loss_whatever_the_split(reference, zero_stages, micro):
+    """Steps whose micro-batches hold different numbers of labels (rows keeping 0 to 16,
+    a padded window every fifth row), split at DP=2 (and TP=2) into micro-batches of 4 x
+    accumulation 1, 2 x 2 and 1 x 4: the losses, gradients and weights of one process at
+    2 x 4. Each is the step's mean over all its labels; a mean per micro-batch, averaged,
+    differs with the split."""
+    run = load_run(zero_stages, f"belief_star-padded-micro{micro}", 0)
+    single = load_run(reference, "belief_star-padded-micro2", 1)
+    assert_equivalent(run, single)
+    plain = load_run(reference, "belief_star", 1)
+    assert single["losses"][0] != pytest.approx(plain["losses"][0], abs=1e-4)
+
+
+def test_token_weighted_loss_pipeline(reference, tp2_pp2_dp2):
+    """The same steps through the pipeline engine's loss_fn (its last stage weighs each
+    micro-batch by its labels) at TP=2 x PP=2 x DP=2: one process's losses and gradients."""
+    run = load_run(tp2_pp2_dp2, "belief_star-padded-micro2", 1)
+    assert_equivalent(run, load_run(reference, "belief_star-padded-micro2", 1))

@@ -2,11 +2,13 @@
 
 import json
 import math
+import shutil
 from importlib import metadata
 
 import pytest
 import yaml
 
+from belief_lm.checkpoint.manifest import seal
 from belief_lm.config import load_config
 from belief_lm.train.loop import train
 from belief_lm.variants import VARIANTS
@@ -127,7 +129,10 @@ def test_belief_diagnostics_logged(tmp_path, cache_dir):
         assert 0 < rows[-1][f"layer{layer}/delta_over_mh"] <= 1 + 1e-6
 
 
-def test_validation_during_training_matches_evaluate(tmp_path, cache_dir):
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_validation_during_training_matches_evaluate(tmp_path, cache_dir, mask):
+    """`evaluate` measures what validation measured during training: the same batches,
+    under the attention mask the model was trained with."""
     from belief_lm.evaluate import evaluate
 
     result = train(
@@ -137,6 +142,8 @@ def test_validation_during_training_matches_evaluate(tmp_path, cache_dir):
             "train.max_steps=4",
             "train.eval_interval=2",
             "train.eval_batches=3",
+            f"model.attention_mask={mask}",
+            "model.attention=attention_bn_sh",
         )
     )
     assert sorted(result.val_losses) == [2, 4]
@@ -145,3 +152,13 @@ def test_validation_during_training_matches_evaluate(tmp_path, cache_dir):
     evaluated = evaluate(str(tmp_path / "checkpoints" / "step_000004"), max_batches=3)
     assert evaluated["loss"] == pytest.approx(result.val_losses[4], rel=1e-6)
     assert evaluated["tokens"] == 3 * 8 * 64
+    if mask == "document":  # and not what the causal mask gives on the same weights
+        causal = tmp_path / "causal"
+        checkpoint = tmp_path / "checkpoints" / "step_000004"
+        shutil.copytree(checkpoint, causal)
+        config = (causal / "config.yaml").read_text()
+        config = config.replace("attention_mask: document", "attention_mask: causal")
+        (causal / "config.yaml").write_text(config)
+        seal(causal)
+        other = evaluate(str(causal), max_batches=3)
+        assert other["loss"] != pytest.approx(evaluated["loss"], rel=1e-4)

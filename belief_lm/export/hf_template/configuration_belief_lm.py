@@ -29,6 +29,7 @@ class BeliefLMConfig(PretrainedConfig):
         rotary_base: float = 10000.0,
         bias: bool = True,
         attention: str = "softmax",
+        attention_mask_type: str = "causal",
         gamma: float = 0.5,
         beta: float = 1.0,
         head_scales: list[int] | None = None,
@@ -52,6 +53,8 @@ class BeliefLMConfig(PretrainedConfig):
         self.bias = bias
         # softmax, belief, belief_star, attentionx, attention_bn, attention_sh, attention_bn_sh
         self.attention = attention
+        # causal, or document: within each document (ended by eos_token_id), as trained
+        self.attention_mask_type = attention_mask_type
         self.gamma = gamma  # AttentionX's Φ = γV - H
         self.beta = beta  # Attention-BN's weight of the key mean
         self.head_scales = list(head_scales or [1] * num_attention_heads)  # Attention-SH

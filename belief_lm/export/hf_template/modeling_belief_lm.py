@@ -10,7 +10,12 @@ head. RoPE is megatron's non-interleaved form (rotate the two halves of each hea
 qk_norm each head's queries and keys go through an RMSNorm (q_norm, k_norm: one weight of
 head_dim each, as Qwen3's) before it.
 
-Attention is causal. `generate` decodes with a cache of every variant's state
+Attention is causal; with config.attention_mask_type "document" (a model trained with
+model.attention_mask=document) a token attends only to earlier tokens of its own document:
+one ends at each eos_token_id (the token after it starts the next; the input's first
+document starts at its first token), positions restart at each, and so do Attention-BN's
+key mean and Attention-SH's slots, as in training. A single document (no EOS inside) is
+computed as under the causal mask. `generate` decodes with a cache of every variant's state
 (`BeliefLMCache`: belief_attention.DecodeCache; use_cache=True by default): the prompt runs
 once, then each step feeds the new token. An attention mask may mark padding (0): a padded
 token takes no position and no token attends to it, so a left-padded batch gives each row
@@ -28,8 +33,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .belief_attention import (
     DecodeCache,
     DecodeStep,
+    Documents,
     LayerCache,
     attention_heads,
+    documents,
     heads_from_groups,
     residual_signal,
     rotary_angles,
@@ -92,7 +99,12 @@ class BeliefLMAttention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_epsilon)
 
     def forward(
-        self, x: Tensor, angles: Tensor | None, cache: LayerCache | None, step: DecodeStep | None
+        self,
+        x: Tensor,
+        angles: Tensor | None,
+        cache: LayerCache | None,
+        step: DecodeStep | None,
+        docs: Documents | None,
     ) -> Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
@@ -104,8 +116,9 @@ class BeliefLMAttention(nn.Module):
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
         c = self.config
         h = attention_heads(
-            q, k, v, self.mixing, beta=c.beta, head_scales=c.head_scales, cache=cache, step=step
-        )
+            q, k, v, self.mixing, beta=c.beta, head_scales=c.head_scales, cache=cache, step=step,
+            documents=docs,
+        )  # fmt: skip
         v_heads = heads_from_groups(v, self.heads)
         signal = residual_signal(h.transpose(1, 2), v_heads.transpose(1, 2), self.residual, c.gamma)
         if not self.variant.extra_projection:
@@ -141,9 +154,14 @@ class BeliefLMDecoderLayer(nn.Module):
         self.mlp = BeliefLMMLP(config)
 
     def forward(
-        self, x: Tensor, angles: Tensor | None, cache: LayerCache | None, step: DecodeStep | None
+        self,
+        x: Tensor,
+        angles: Tensor | None,
+        cache: LayerCache | None,
+        step: DecodeStep | None,
+        docs: Documents | None,
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), angles, cache, step)
+        x = x + self.self_attn(self.input_layernorm(x), angles, cache, step, docs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -183,13 +201,34 @@ class BeliefLMModel(BeliefLMPreTrainedModel):
         self, input_ids: Tensor, cache: BeliefLMCache | None = None, valid: Tensor | None = None
     ) -> Tensor:
         """Hidden states of `input_ids` [b, s]; with a cache they continue what it holds
-        and are added to it, and `valid` [b, s] (the attention mask) marks padding."""
-        c, step = self.config, None
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        if cache is not None:
-            step = cache.step(torch.ones_like(input_ids, dtype=torch.bool) if valid is None
-                              else valid.bool())  # fmt: skip
-            positions = step.positions
+        and are added to it (with documents, a run of tokens up to each EOS at a time), and
+        `valid` [b, s] (the attention mask) marks padding."""
+        ends = None
+        if self.config.attention_mask_type == "document":
+            ends = input_ids == self.config.eos_token_id
+        if cache is None:
+            docs = None if ends is None else documents(ends)
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            if docs is not None:
+                positions = docs.positions
+            return self.norm(self.layers_on(input_ids, positions, None, None, docs))
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid.bool()
+        parts = [
+            self.layers_on(input_ids[:, run], step.positions, cache, step, None)
+            for run, step in cache.steps(valid, ends)
+        ]
+        return self.norm(torch.cat(parts, dim=1))
+
+    def layers_on(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        cache: BeliefLMCache | None,
+        step: DecodeStep | None,
+        docs: Documents | None,
+    ) -> Tensor:
+        """The decoder layers' output for tokens at `positions` [b or 1, s]."""
+        c = self.config
         x = self.embed_tokens(input_ids)
         angles = None
         if c.position_embedding == "learned_absolute":
@@ -202,8 +241,8 @@ class BeliefLMModel(BeliefLMPreTrainedModel):
         else:
             angles = rotary_angles(positions, c.hidden_size // c.num_attention_heads, c.rotary_base)
         for i, layer in enumerate(self.layers):
-            x = layer(x, angles, None if cache is None else cache.layers[i], step)
-        return self.norm(x)
+            x = layer(x, angles, None if cache is None else cache.layers[i], step, docs)
+        return x
 
 
 class BeliefLMForCausalLM(BeliefLMPreTrainedModel, GenerationMixin):

@@ -1,0 +1,85 @@
+"""belief_lm.train.engine: the loss weighted by tokens. A step's loss and gradient are the
+mean over every label of the step, however its micro-batches split them (across
+data-parallel ranks too: tests/parallel/test_equivalence.py, the padded runs)."""
+
+import pytest
+import torch
+
+from belief_lm.config import load_config
+from belief_lm.model.gpt import BeliefLM
+from belief_lm.model.loss import IGNORE_INDEX
+from tests.jobs import MICRO, ROOT
+from tests.models import engine_for
+
+VOCAB, SEQ = 256, 32
+
+
+def unequal_step() -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels [4, SEQ] of one step: rows 0-1 fully labelled, row 2 with 2
+    labels (one masked among them), row 3 a padded window (no label, as at an epoch's
+    end): split in two micro-batches, 64 labels against 2."""
+    rows = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    tokens, labels = rows[:, :-1].clone(), rows[:, 1:].clone()
+    labels[2, 3:] = IGNORE_INDEX
+    labels[2, 1] = IGNORE_INDEX
+    labels[3] = IGNORE_INDEX
+    tokens[3] = 0  # the loader's padding
+    return tokens, labels
+
+
+def config(micro: int = 4, z_loss: float = 0.0):
+    return load_config(
+        ROOT / MICRO,
+        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", f"train.z_loss={z_loss}",
+         f"train.micro_batch_size={micro}", "train.global_batch_size=4"],
+    )  # fmt: skip
+
+
+def one_step(layout, micro: int, z_loss: float) -> tuple[float, dict, float]:
+    """(the step's logged loss, the gradients before the update, the z-loss reported) of
+    the micro config's model at micro-batch `micro` (accumulation 4 / micro) on
+    unequal_step."""
+    trainee = engine_for(config(micro, z_loss), layout, VOCAB)
+    engine, grads = trainee.deepspeed, {}
+    take_step = engine._take_model_step
+
+    def capture_then_step(*args, **kwargs):
+        from deepspeed.utils import safe_get_full_grad
+
+        for name, param in engine.module.named_parameters():  # ZeRO's partitions gathered
+            grads[name] = safe_get_full_grad(param).clone()
+        return take_step(*args, **kwargs)
+
+    engine._take_model_step = capture_then_step
+    tokens, labels = unequal_step()
+    batches = zip(tokens.split(micro), labels.split(micro), strict=True)
+    loss = trainee.global_mean(trainee.train_step(batches))
+    z = trainee.global_mean(trainee.reported["z_loss"])
+    engine.destroy()
+    return loss, grads, z
+
+
+def whole_batch(z_loss: float) -> tuple[float, dict, float]:
+    """The same model's mean over the step's 66 labels in one forward, its gradient and
+    its z-loss term."""
+    cfg = config(z_loss=z_loss)
+    model = BeliefLM(cfg.model, VOCAB, seed=cfg.run.seed, z_loss=z_loss)
+    loss = model(*unequal_step())
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, float(model.last_z_loss)
+
+
+def test_a_step_weighs_every_label_alike(single_process_group):
+    """Micro-batches of 64 and 2 labels (accumulation 2), and of 32, 32, 2 and 0 labels
+    (accumulation 4): the step's logged loss, its z-loss and every gradient are those of
+    the whole step's mean over its 66 labels; a mean per micro-batch, averaged, gives the
+    2-label micro-batch the weight of the 64-label one (and the empty one a weight too)."""
+    loss, grads, z = whole_batch(z_loss=0.01)
+    assert z > 0
+    for micro in (2, 1):
+        step_loss, step_grads, step_z = one_step(single_process_group, micro, z_loss=0.01)
+        assert step_loss == pytest.approx(loss, rel=1e-5)
+        assert step_z == pytest.approx(z, rel=1e-5)
+        assert step_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(step_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
