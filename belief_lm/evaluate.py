@@ -19,7 +19,8 @@ from pathlib import Path
 from belief_lm.checkpoint.consolidate import consolidate, load_full_state
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.parallel import env as process_env
-from belief_lm.parallel.setup import init_distributed, init_model_parallel
+from belief_lm.parallel.dims import ParallelDims
+from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.runtime import select_device
 from belief_lm.train.validation import validation_batches, validation_loss
 from data_pipeline.config import SourceConfig
@@ -37,8 +38,8 @@ def evaluate(
     """{'loss', 'perplexity', 'tokens', 'batches', 'step', ...}, the same on every rank."""
     env = process_env.detect()
     torch_device = select_device(device, env.local_rank)
-    init_distributed(env, torch_device)
-    layout = init_model_parallel(tensor, 1)
+    grid = ProcessGrid.join(env, torch_device, ParallelDims(env.world_size, tensor, 1))
+    layout = grid.layout
     ckpt = consolidate(checkpoint)  # every rank reads the files: no conversion, no collective
     cfg = ckpt.config
     data = cfg.data
@@ -53,7 +54,7 @@ def evaluate(
     )
     model = BeliefLM(cfg.model, ckpt.info.vocab_size, layout.tensor, seed=cfg.run.seed)
     load_full_state(model, ckpt.state_dict)
-    loss, tokens = validation_loss(model.to(torch_device), batches)
+    loss, tokens = validation_loss(model.to(torch_device), batches, grid.data_group)
     if tokens == 0:
         raise ValueError(
             f"no validation data for {checkpoint} (data: {[s.uri for s in data.sources]})"

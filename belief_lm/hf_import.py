@@ -150,13 +150,13 @@ def llama_weights(files: list[Path], cfg: Config, vocab_size: int) -> dict:
 
     from belief_lm.export.hf import from_hf_state_dict
     from belief_lm.model.gpt import BeliefLM
-    from belief_lm.parallel.setup import single_process_groups
+    from belief_lm.parallel.grid import ProcessGrid
 
     theirs: dict[str, torch.Tensor] = {}
     for file in files:
         theirs.update(load_file(file))
     converted = from_hf_state_dict(theirs, cfg.model)
-    single_process_groups()
+    ProcessGrid.single_process()
     fresh = BeliefLM(cfg.model, vocab_size, seed=cfg.run.seed).state_dict()
     fresh = {name: t for name, t in fresh.items() if not name.endswith("_extra_state")}
     unknown = sorted(set(converted) - set(fresh))

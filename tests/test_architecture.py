@@ -94,6 +94,61 @@ def test_belief_lm_parts_import_one_way():
         pytest.fail(f"import cycle between belief_lm's parts: {' -> '.join(err.args[1])}")
 
 
+GRID_PACKAGE = ROOT / "belief_lm" / "parallel"
+"""Where the process grid lives: the one place that makes and looks up process groups."""
+GROUP_REACHES = {"parallel_state", "new_group", "Peers"}
+"""megatron's group registry (parallel_state), torch's way of making a group, and ours of
+naming one (belief_lm.parallel.peers.Peers)."""
+
+
+def group_reaches(path: Path) -> list[str]:
+    """Where `path` reaches process groups other than through a ProcessGrid it is handed:
+    megatron's parallel_state (imported or named), torch's new_group, our group names."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [getattr(node, "module", None) or "", *(a.name for a in node.names)]
+            found |= {(node.lineno, n) for name in names for n in GROUP_REACHES if n in name}
+        elif isinstance(node, ast.Attribute) and node.attr in GROUP_REACHES:
+            found.add((node.lineno, node.attr))
+        elif isinstance(node, ast.Name) and node.id in GROUP_REACHES:
+            found.add((node.lineno, node.id))
+    return [f"line {line}: {name}" for line, name in sorted(found)]
+
+
+def test_only_the_process_grid_reaches_process_groups():
+    """Process groups have one owner, belief_lm.parallel.grid.ProcessGrid, handed to whoever
+    needs a group: no code outside belief_lm/parallel/ (benchmarks included) looks groups
+    up in megatron's parallel_state, makes one, or names one."""
+    paths = [p for package in (*PACKAGES, "bench") for p in sources(package)]
+    found = {
+        str(path.relative_to(ROOT)): reaches
+        for path in paths
+        if not path.is_relative_to(GRID_PACKAGE) and (reaches := group_reaches(path))
+    }
+    assert not found, found
+
+
+def test_the_group_check_sees_each_form(tmp_path):
+    code = tmp_path / "x.py"
+    code.write_text(
+        "from megatron.core import parallel_state as ps\n"
+        "import megatron.core.parallel_state\n"
+        "import megatron.core as core\n"
+        "core.parallel_state.get_data_parallel_rank(), dist.new_group(backend='gloo')\n"
+        "from belief_lm.parallel.peers import Peers\n"
+        "from torch.distributed import new_group\n"
+    )
+    assert group_reaches(code) == [
+        "line 1: parallel_state",
+        "line 2: parallel_state",
+        "line 4: new_group",
+        "line 4: parallel_state",
+        "line 5: Peers",
+        "line 6: new_group",
+    ]
+
+
 def is_private(name: object) -> bool:
     # __file__ and the like are public; a name that is no string (setattr(m, x)) is unknown
     return isinstance(name, str) and name.startswith("_") and not name.endswith("__")

@@ -67,7 +67,7 @@ def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_
         trainee.train_step(iter([(rows[:, :-1], rows[:, 1:])] * 8))
     finally:
         compat.report_grad_norm = original
-        engine = trainee.deepspeed
+        engine = trainee.engine
     assert seen and engine.get_global_grad_norm() == pytest.approx(seen[-1]), (
         "DeepSpeed's engine no longer takes its grad norm from optimizer._global_grad_norm"
     )
@@ -78,7 +78,7 @@ def test_deepspeed_names_its_checkpoint_files_as_consolidate_reads_them(
     single_process_group, tmp_path
 ):
     cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=1"])
-    engine = engine_for(cfg, single_process_group, 256).deepspeed
+    engine = engine_for(cfg, single_process_group, 256).engine
     engine.save_checkpoint(str(tmp_path), tag="step")
     step = tmp_path / "step"
     assert (step / compat.model_states_name(0)).is_file(), sorted(p.name for p in step.iterdir())

@@ -23,7 +23,7 @@ from deepspeed.checkpoint import constants as ds
 from belief_lm.checkpoint.files import CheckpointError, universal_path
 from belief_lm.config import ModelConfig
 from belief_lm.model.pipeline import TIED_KEY, canonical_name, pipeline_name
-from belief_lm.parallel.collectives import rank_zero_first
+from belief_lm.parallel.grid import ProcessGrid
 
 log = logging.getLogger("belief_lm.checkpoint")
 
@@ -53,9 +53,9 @@ def universal_info(model: ModelConfig) -> dict:
     return info
 
 
-def ensure_universal(checkpoint: Path, model: ModelConfig) -> Path:
+def ensure_universal(checkpoint: Path, model: ModelConfig, grid: ProcessGrid) -> Path:
     """The universal form of `checkpoint` beside it (`files.universal_path`), converted by
-    rank 0 if it is not there yet while the other ranks wait. Collective when distributed."""
+    rank 0 if it is not there yet while the other ranks wait (collective over `grid`)."""
     output = universal_path(checkpoint)
 
     def convert_once() -> Path:
@@ -64,7 +64,7 @@ def ensure_universal(checkpoint: Path, model: ModelConfig) -> Path:
             convert(checkpoint, output, model)
         return output
 
-    return rank_zero_first(convert_once)
+    return grid.rank_zero_first(convert_once)
 
 
 def convert(checkpoint: Path, output: Path, model: ModelConfig, workers: int = 2) -> Path:

@@ -33,6 +33,7 @@ from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo, damaged,
 from belief_lm.checkpoint.universal import ensure_universal, universal_info
 from belief_lm.config import Config
 from belief_lm.parallel.dims import Layout, ParallelDims
+from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.preflight import ResumeFrom, checkpoint_root, resume_from
 from belief_lm.runtime import derived_seed
 
@@ -56,24 +57,27 @@ def data_state(data) -> dict:
     return data.state_dict()
 
 
-def verified_resume(plan: ResumeFrom | None, cfg: Config, dims: ParallelDims) -> ResumeFrom | None:
-    """`plan` once its checkpoint's files are verified (collective: each rank checksums a
+def verified_resume(
+    resume: ResumeFrom | None, cfg: Config, dims: ParallelDims
+) -> ResumeFrom | None:
+    """`resume` once its checkpoint's files are verified (collective: each rank checksums a
     share of them). A damaged checkpoint named by checkpoint.resume raises CheckpointError
-    naming the file; with resume=auto the next intact one is planned instead, with a warning
+    naming the file; with resume=auto the next intact one is taken instead, with a warning
     (`resume_from` refuses a run whose checkpoints are all damaged)."""
-    while plan is not None:
+    while resume is not None:
         started = time.perf_counter()
-        found = verify_together(plan.path)
+        found = verify_together(resume.path)
         if not found:
-            log.info("verified checkpoint %s in %.1f s", plan.path, time.perf_counter() - started)
-            return plan
-        error = damaged(plan.path, found)
+            seconds = time.perf_counter() - started
+            log.info("verified checkpoint %s in %.1f s", resume.path, seconds)
+            return resume
+        error = damaged(resume.path, found)
         if cfg.checkpoint.resume != "auto":
             raise error
         log.warning("%s; skipping it for an older checkpoint", error)
         # this one and the newer ones (pre-flight found and reported those) are passed over
-        newer = [path for step, path in step_dirs(plan.path.parent) if step >= plan.info.step]
-        plan = resume_from(cfg, dims, skip=newer)
+        newer = [path for step, path in step_dirs(resume.path.parent) if step >= resume.info.step]
+        resume = resume_from(cfg, dims, skip=newer)
     return None
 
 
@@ -94,61 +98,63 @@ def verify_together(path: Path, workers: int = manifest.WORKERS) -> list[str]:
     return sorted(problem for found in every_rank for problem in found)
 
 
-def weights_only(plan: ResumeFrom | None) -> dict[str, torch.Tensor] | None:
+def weights_only(resume: ResumeFrom | None) -> dict[str, torch.Tensor] | None:
     """The whole weights of a weights-only checkpoint to start from (loaded into the model
-    before its engine is built, so any layout takes them), or None for any other plan."""
-    if plan is None or not plan.info.weights_only:
+    before its engine is built, so any layout takes them), or None for any other resume."""
+    if resume is None or not resume.info.weights_only:
         return None
     from belief_lm.checkpoint.consolidate import consolidate
 
-    log.info("starting from the weights of %s (fresh optimizer and data stream)", plan.path)
-    return consolidate(plan.path, verify=False).state_dict  # verified_resume did
+    log.info("starting from the weights of %s (fresh optimizer and data stream)", resume.path)
+    return consolidate(resume.path, verify=False).state_dict  # verified_resume did
 
 
-def restore(plan: ResumeFrom, cfg: Config, engine, layout: Layout) -> int:
-    """Load `plan` into the engine and this rank's RNG states; returns the saved step.
-    The data stream's position is `load_data_state`'s."""
-    source = ensure_universal(plan.path, cfg.model) if plan.other_layout else plan.path
+def restore(resume: ResumeFrom, cfg: Config, engine, grid: ProcessGrid) -> int:
+    """Load checkpoint `resume` into DeepSpeed's `engine` and this rank's RNG states;
+    returns the saved step. The data stream's position is `load_data_state`'s."""
+    path, layout = resume.path, grid.layout
+    source = ensure_universal(path, cfg.model, grid) if resume.other_layout else path
     loaded, _ = engine.load_checkpoint(
         str(source.parent), tag=source.name, load_optimizer_states=True,
         load_lr_scheduler_states=True,
     )  # fmt: skip
     if loaded is None:
         raise CheckpointError(f"DeepSpeed found no loadable checkpoint in {source}")
-    info = plan.info
+    info = resume.info
     if (info.tensor, info.pipeline, info.data) == (layout.tensor, layout.pipeline, layout.data):
-        store.set_rng_state(load_rank_state(plan, dist.get_rank())["rng"])
+        store.set_rng_state(load_rank_state(resume, grid.rank)["rng"])
     else:  # RNG streams belong to ranks of the old layout: derive new ones
-        torch.manual_seed(derived_seed(cfg.run.seed, info.step * RESEED_STRIDE + dist.get_rank()))
-    log.info("resumed from %s at step %d", plan.path, info.step)
+        torch.manual_seed(derived_seed(cfg.run.seed, info.step * RESEED_STRIDE + grid.rank))
+    log.info("resumed from %s at step %d", path, info.step)
     return info.step
 
 
-def load_rank_state(plan: ResumeFrom, rank: int) -> dict:
+def load_rank_state(resume: ResumeFrom, rank: int) -> dict:
     """The `rank_state` (and what the trainer added to it) that rank `rank` saved with
-    `plan`'s checkpoint. Rank 0's suits any layout for what every rank holds alike (the
+    checkpoint `resume`. Rank 0's suits any layout for what every rank holds alike (the
     loss history of spike detection)."""
-    path = plan.path / "run_state" / f"rank{rank:05d}.pt"
+    path = resume.path / "run_state" / f"rank{rank:05d}.pt"
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {plan.path} has no state for rank {rank}")
+        raise CheckpointError(f"checkpoint {resume.path} has no state for rank {rank}")
     return torch.load(path, weights_only=False)
 
 
-def load_data_state(plan: ResumeFrom) -> dict:
-    """The data stream's position saved with `plan`'s checkpoint (any layout's)."""
-    path = plan.path / DATA_STATE
+def load_data_state(resume: ResumeFrom) -> dict:
+    """The data stream's position saved with checkpoint `resume` (any layout's)."""
+    path = resume.path / DATA_STATE
     if not path.is_file():
         raise CheckpointError(
-            f"checkpoint {plan.path} has no {DATA_STATE}: it was written by an earlier "
+            f"checkpoint {resume.path} has no {DATA_STATE}: it was written by an earlier "
             "belief-lm whose data streams were per rank; its data position cannot be continued"
         )
     return torch.load(path, weights_only=False)
 
 
-def checkpointer(cfg: Config, engine) -> store.Checkpointer:
-    """What saves this run's checkpoints (collective: every rank makes one)."""
-    root = checkpoint_root(cfg)
-    return store.Checkpointer(engine, root, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+def checkpointer(cfg: Config, engine, grid: ProcessGrid) -> store.Checkpointer:
+    """What saves the checkpoints of DeepSpeed's `engine` (collective: every rank makes
+    one; the ranks agree in the grid's checkpoint group)."""
+    root, keep = checkpoint_root(cfg), cfg.checkpoint.keep
+    return store.Checkpointer(engine, root, keep, cfg.checkpoint.async_save, grid.checkpoint_group)
 
 
 def save(cfg: Config, checkpoints: store.Checkpointer, state: dict, layout: Layout, step: int,

@@ -83,7 +83,7 @@ def engine(single_process_group):
     from tests.models import engine_for
 
     cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=1"])
-    return engine_for(cfg, single_process_group, 256).deepspeed
+    return engine_for(cfg, single_process_group, 256).engine
 
 
 def saving(engine, root: Path, step: int) -> Path:

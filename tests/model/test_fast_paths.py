@@ -71,8 +71,8 @@ def test_chunked_loss_under_zero3(single_process_group):
         overrides = ["model.num_layers=1", "parallel.zero_stage=3", "train.global_batch_size=2"]
         cfg = load_config(ROOT / MICRO, [*overrides, f"train.loss_chunk_tokens={chunk}"])
         trainee = engine_for(cfg, single_process_group, VOCAB)
-        losses[chunk] = [trainee.train_step(iter([batch])).item() for batch in batches]
-        trainee.deepspeed.destroy()
+        losses[chunk] = [trainee.train_step(iter([batch])).loss.item() for batch in batches]
+        trainee.engine.destroy()
     assert losses[23] == pytest.approx(losses[0], rel=1e-5)
     assert losses[0][2] < losses[0][0]  # the steps did something
 

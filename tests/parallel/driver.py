@@ -4,7 +4,7 @@
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --save-at K
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --resume CHECKPOINT
 
-Builds the engine exactly as training does (build_engine, through tests.models.engine_for) and runs
+Builds the engine exactly as training does (build_trainee, through tests.models.engine_for) and runs
 a few steps with train_step, on data that depends only on (step, global sequence index),
 so every layout sees the same global batch. Records on every rank: the global-batch loss
 of each step, the full gradient of every parameter just before each optimizer step
@@ -24,14 +24,13 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
 
 from belief_lm.config import load_config  # noqa: E402
 from belief_lm.model.pipeline import canonical_name  # noqa: E402
 from belief_lm.parallel.dims import ParallelDims  # noqa: E402
 from belief_lm.parallel.env import detect  # noqa: E402
 from belief_lm.parallel.gather import full_state_dict, gather_tensor_parallel  # noqa: E402
-from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
+from belief_lm.parallel.grid import ProcessGrid  # noqa: E402
 from belief_lm.preflight import resume_from  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
 from belief_lm.train import trainer_state  # noqa: E402
@@ -60,17 +59,16 @@ class GlobalBatches:
     fixed random table, and DP rank r takes rows r*GA*M .. (r+1)*GA*M - 1 of each step.
     Its state (the next step) does not depend on the layout, so it resumes on any."""
 
-    def __init__(self, accumulation: int, steps: int = 64):
+    def __init__(self, accumulation: int, data_rank: int, steps: int = 64):
         gen = torch.Generator().manual_seed(0)
         self.table = torch.randint(0, VOCAB, (steps * GLOBAL_BATCH, SEQ + 1), generator=gen)
-        self.accumulation, self.step, self.micro = accumulation, 0, 0
+        self.accumulation, self.rank, self.step, self.micro = accumulation, data_rank, 0, 0
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        rank = ps.get_data_parallel_rank()
-        start = self.step * GLOBAL_BATCH + (rank * self.accumulation + self.micro) * MICRO
+        start = self.step * GLOBAL_BATCH + (self.rank * self.accumulation + self.micro) * MICRO
         rows = self.table[start : start + MICRO]
         self.micro += 1
         if self.micro == self.accumulation:
@@ -89,23 +87,26 @@ def probe_tokens() -> torch.Tensor:
 
 
 def run(
-    out_dir: str, tp: int, pp: int, zero: int, variant: str, save_at=None, resume=None,
+    grid: ProcessGrid, out_dir: str, zero: int, variant: str, save_at=None, resume=None,
     steps=STEPS, overrides: tuple[str, ...] = (), name: str | None = None,
 ) -> None:  # fmt: skip
-    """Train and record one run; its file is named after `name` (default: the variant)."""
-    cfg = config(tp, pp, zero, variant, *overrides)
+    """Train and record one run on `grid`; its file is named after `name` (default: the
+    variant)."""
+    layout = grid.layout
+    cfg = config(layout.tensor, layout.pipeline, zero, variant, *overrides)
     cfg.run.output_dir = out_dir
     cfg.checkpoint.resume = resume or "never"
-    layout = init_model_parallel(tp, pp)
     # the synthetic data below resumes at any data-parallel size: only the weights' checks
-    plan = resume_from(cfg, ParallelDims(dist.get_world_size(), tp, pp))
-    trainee = engine_for(cfg, layout, VOCAB, load_universal=plan is not None and plan.other_layout)
-    engine = trainee.deepspeed
-    data = GlobalBatches(engine.gradient_accumulation_steps())
+    checkpoint = resume_from(cfg, grid.dims)
+    trainee = engine_for(
+        cfg, grid, VOCAB, load_universal=checkpoint is not None and checkpoint.other_layout
+    )
+    engine = trainee.engine
+    data = GlobalBatches(engine.gradient_accumulation_steps(), layout.data_rank)
     first = 0
-    if plan is not None:
-        first = trainer_state.restore(plan, cfg, engine, layout)
-        data.load_state_dict(trainer_state.load_data_state(plan))
+    if checkpoint is not None:
+        first = trainer_state.restore(checkpoint, cfg, engine, grid)
+        data.load_state_dict(trainer_state.load_data_state(checkpoint))
     rename = (lambda n: canonical_name(n, cfg.model.num_layers)) if trainee.pipelined else None
 
     grads_per_step = []
@@ -124,13 +125,13 @@ def run(
     engine._take_model_step = capture_then_step
     losses, norms = [], []
     for _ in range(first, save_at or steps):
-        losses.append(trainee.global_mean(trainee.train_step(data)))
+        losses.append(trainee.global_mean(trainee.train_step(data).loss))
         norms.append(float(engine.get_global_grad_norm()))
     if save_at:
         tokenizer = Path(out_dir) / "tokenizer.model"  # the checkpoint copies it; any bytes do
         tokenizer.write_bytes(b"synthetic data: no tokenizer")
         state = trainer_state.rank_state(layout)
-        checkpoints = trainer_state.checkpointer(cfg, engine)
+        checkpoints = trainer_state.checkpointer(cfg, engine, grid)
         trainer_state.save(
             cfg, checkpoints, state, layout, save_at, 0, VOCAB, tokenizer, data.state_dict()
         )
@@ -140,8 +141,8 @@ def run(
         engine.module.eval()
         with torch.no_grad():
             shard = engine.module(probe_tokens())
-        pieces = [torch.empty_like(shard) for _ in range(tp)]
-        dist.all_gather(pieces, shard, group=ps.get_tensor_model_parallel_group())
+        pieces = [torch.empty_like(shard) for _ in range(layout.tensor)]
+        dist.all_gather(pieces, shard, group=grid.tensor_group)
         logits = torch.cat(pieces, dim=-1)
     torch.save(
         {
@@ -155,17 +156,23 @@ def run(
     )
 
 
+def join(tp: int, pp: int, timeout_s: float) -> ProcessGrid:
+    """This torchrun job's process grid at TP x PP (the rest data-parallel), on the CPU."""
+    env = detect()
+    dims = ParallelDims(env.world_size, tp, pp)
+    return ProcessGrid.join(env, select_device("cpu"), dims, timeout_s=timeout_s)
+
+
 def main() -> None:
     out_dir, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     zero_stages, variants = map(int, sys.argv[4].split(",")), sys.argv[5].split(",")
     options = dict(zip(sys.argv[6::2], sys.argv[7::2], strict=True))
-    device = select_device("cpu")
-    init_distributed(detect(), device, timeout_s=300)
+    grid = join(tp, pp, timeout_s=300)
     save_at = int(options["--save-at"]) if "--save-at" in options else None
     steps = int(options.get("--steps", STEPS))
-    for zero in zero_stages:  # one process group for all: start-up dominates on CPU
+    for zero in zero_stages:  # one process grid for all: start-up dominates on CPU
         for variant in variants:
-            run(out_dir, tp, pp, zero, variant, save_at, options.get("--resume"), steps)
+            run(grid, out_dir, zero, variant, save_at, options.get("--resume"), steps)
     dist.barrier()
 
 

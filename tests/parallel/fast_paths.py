@@ -18,10 +18,8 @@ import torch.distributed as dist  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from belief_lm.model.gpt import BeliefLM  # noqa: E402
-from belief_lm.parallel.env import detect  # noqa: E402
-from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
-from belief_lm.runtime import select_device  # noqa: E402
 from tests.models import tiny_model  # noqa: E402
+from tests.parallel.driver import join  # noqa: E402
 
 VOCAB, CHUNK, SEED = 256, 23, 3
 PATHS = {"plain": ({}, 0), "fused_output": ({"fused_output_projection": True}, 0)}
@@ -44,8 +42,7 @@ def loss_and_grads(options: dict, chunk: int, tensor_parallel: int) -> tuple:
 
 
 def main() -> None:
-    init_distributed(detect(), select_device("cpu"), timeout_s=120)
-    init_model_parallel(2, 1)
+    join(2, 1, timeout_s=120)
     paths = {name: loss_and_grads(options, chunk, 2) for name, (options, chunk) in PATHS.items()}
     graphs = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     saved = {"paths": paths, "graphs_and_breaks": graphs}

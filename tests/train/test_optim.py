@@ -7,13 +7,7 @@ import torch
 
 from belief_lm.config import TrainConfig
 from belief_lm.train.loop import train
-from belief_lm.train.optim import (
-    StepGuard,
-    WarmupCosine,
-    adamw_kernel,
-    build_optimizer,
-    param_groups,
-)
+from belief_lm.train.optim import WarmupCosine, adamw_kernel, build_optimizer, param_groups
 
 
 def test_warmup_then_cosine_to_min_lr():
@@ -44,7 +38,7 @@ def test_weight_decay_only_on_matrices():
     assert {p.ndim for p in decay["params"]} == {2} and len(decay["params"]) == 2
     assert {p.ndim for p in no_decay["params"]} == {1} and len(no_decay["params"]) == 3
     train = TrainConfig(lr=0.5, warmup_steps=5, weight_decay=0.1)
-    optimizer, _ = build_optimizer(model, train, torch.device("cpu"), StepGuard())
+    optimizer, _ = build_optimizer(model, train, torch.device("cpu"))
     assert isinstance(optimizer, torch.optim.AdamW)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # 0.5 x 1/5 at step 0
     # the optimizer decays each parameter as its group says: matrices only
@@ -78,7 +72,7 @@ def test_adamw_kernels_take_the_same_steps():
     for kernel in ("for_loop", "foreach", "fused"):
         model = copy.deepcopy(start)
         cfg = TrainConfig(lr=1e-2, warmup_steps=2, max_steps=6, adamw_kernel=kernel)
-        optimizer, scheduler = build_optimizer(model, cfg, torch.device("cpu"), StepGuard())
+        optimizer, scheduler = build_optimizer(model, cfg, torch.device("cpu"))
         assert optimizer.defaults["fused"] == (kernel == "fused")
         for step_grads in grads:
             for param, grad in zip(model.parameters(), step_grads, strict=True):
