@@ -35,7 +35,7 @@ def write_result(path: str | Path, result: dict, device: torch.device) -> Path:
     return path
 
 
-def bench_engine(cfg, grid, vocab_size: int, device: torch.device):
+def bench_trainee(cfg, grid, vocab_size: int, device: torch.device):
     """build_trainee on process grid `grid` with what pre-flight decides for `cfg`
     (precision, accumulation), except
     that train.precision=bf16 runs on a CPU too: belief-lm refuses it there (slow, and not

@@ -56,7 +56,7 @@ from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.runtime import select_device
 from belief_lm.train.flops import flops_per_token, peak_tflops
 from belief_lm.variants import VARIANTS
-from bench.common import bench_engine, write_result
+from bench.common import bench_trainee, write_result
 
 MODELS = {
     "gpt2-124m": "configs/model/gpt2-124m.yaml",
@@ -259,9 +259,10 @@ def timed_steps(trainee, batches, steps: int, device) -> tuple[list[float], list
     return times, losses
 
 
-def engine(cfg: Config, grid, device):
-    """The engine of `cfg` (bf16 where it asks for it: on the CPU too, for --smoke)."""
-    return bench_engine(cfg, grid, cfg.model.vocab_size, device)
+def trainee_of(cfg: Config, grid, device):
+    """The model of `cfg` in its engine (bf16 where it asks for it: on the CPU too, for
+    --smoke)."""
+    return bench_trainee(cfg, grid, cfg.model.vocab_size, device)
 
 
 def release(trainee) -> None:
@@ -303,7 +304,7 @@ def process_group(device: torch.device, grid: ProcessGrid) -> dict:
 
 def bf16_against_fp32(bench: Bench, grid) -> dict:
     """`tiny` trained in bf16 and in fp32 from the same seed (same initial weights) on the
-    same batches, through DeepSpeed's bf16 engine on CPU too (smoke: bench_engine)."""
+    same batches, through DeepSpeed's bf16 engine on CPU too (smoke: bench_trainee)."""
     steps = bench.args.check_steps
     vocab = [] if bench.args.smoke else ["model.vocab_size=4096"]
     curves = []
@@ -314,7 +315,7 @@ def bf16_against_fp32(bench: Bench, grid) -> dict:
         )  # fmt: skip
         shape = (cfg.model.vocab_size, 16, cfg.model.seq_length)
         batches = token_batches(*shape, seed=0, device=bench.device, count=16)
-        trainee = engine(cfg, grid, bench.device)
+        trainee = trainee_of(cfg, grid, bench.device)
         curves.append(timed_steps(trainee, itertools.cycle(batches), steps, bench.device)[1])
         release(trainee)
         del trainee
@@ -440,7 +441,7 @@ def measure_largest(bench: Bench, grid, cfg_for, start: int) -> dict:
     while candidate is not None:
         try:
             if trainee is None:
-                trainee = engine(cfg_for(candidate), grid, device)
+                trainee = trainee_of(cfg_for(candidate), grid, device)
             step_at(trainee, cfg_for(candidate), candidate, device)
             fits = candidate
         except OOM:
@@ -450,7 +451,7 @@ def measure_largest(bench: Bench, grid, cfg_for, start: int) -> dict:
         raise RuntimeError(f"micro-batch 1 does not fit in memory (searched from {start})")
     while True:  # a fragmented allocator can miss a size that fitted: step down
         try:
-            trainee = trainee or engine(cfg_for(fits), grid, device)
+            trainee = trainee or trainee_of(cfg_for(fits), grid, device)
             result = measure(bench, trainee, cfg_for(fits), fits)
             release(trainee)
             return result
@@ -555,7 +556,7 @@ def paper_run(bench: Bench, grid, path: str) -> dict:
         )
     cfg = load_config(path, overrides)
     micro = cfg.train.micro_batch_size
-    trainee = engine(cfg, grid, bench.device)
+    trainee = trainee_of(cfg, grid, bench.device)
     shape = (cfg.model.vocab_size, micro, cfg.model.seq_length)
     batches = itertools.cycle(token_batches(*shape, seed=3, device=bench.device, count=2))
     if bench.device.type == "cuda":

@@ -3,7 +3,7 @@
     python bench/memory_worker.py OUT_DIR CONFIG [overrides...]
     torchrun --nproc_per_node=N bench/memory_worker.py OUT_DIR CONFIG [overrides...]
 
-Builds the engine as training does (bench.common.bench_engine: build_trainee) and runs
+Builds the engine as training does (bench.common.bench_trainee: build_trainee) and runs
 optimizer steps on random tokens, with torch's profiler recording every allocation of the
 CPU allocator from before the model exists: the peak of bytes allocated is what
 torch.cuda.max_memory_allocated would report on a GPU (memory touched or not, without the
@@ -33,7 +33,7 @@ from belief_lm.parallel.dims import ParallelDims  # noqa: E402
 from belief_lm.parallel.env import detect  # noqa: E402
 from belief_lm.parallel.grid import ProcessGrid  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
-from bench.common import bench_engine  # noqa: E402
+from bench.common import bench_trainee  # noqa: E402
 
 PROFILED_STEPS = 2
 """Steps under the profiler: Adam's moments appear in the first; the second is steady."""
@@ -146,7 +146,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("build"):
             # the bf16 cases measure DeepSpeed's bf16 engines on the CPU
-            trainee = bench_engine(cfg, grid, vocab, device)
+            trainee = bench_trainee(cfg, grid, vocab, device)
         data = micro_batches(cfg, vocab)
         for _ in range(PROFILED_STEPS):
             with record_function("step"):

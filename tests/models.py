@@ -55,7 +55,7 @@ def assert_same(result: tuple, reference: tuple) -> None:
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def engine_for(cfg, grid, vocab_size: int, device=None, **options):
+def trainee_for(cfg, grid, vocab_size: int, device=None, **options):
     """build_trainee as the trainer calls it, with pre-flight's precision and accumulation
     for `cfg` on process grid `grid` (options: load_universal, weights)."""
     from belief_lm.preflight import grad_accumulation_steps, use_bf16

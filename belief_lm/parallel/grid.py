@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
@@ -33,7 +34,7 @@ from belief_lm.parallel.collectives import collective_device
 from belief_lm.parallel.dims import Layout, ParallelDims
 from belief_lm.parallel.env import ProcessEnv
 from belief_lm.parallel.mpu import MegatronMPU
-from belief_lm.parallel.peers import Peers, start_watch
+from belief_lm.parallel.peers import Peers
 from belief_lm.parallel.setup import init_distributed
 
 T = TypeVar("T")
@@ -46,6 +47,40 @@ RANK_ZERO_FIRST_TIMEOUT = timedelta(hours=2)
 """How long the other ranks wait for rank 0's first run (training a tokenizer on a large
 sample, converting a large checkpoint) outside a training run; a training run waits
 parallel.rank_zero_wait_s."""
+
+
+@dataclass(frozen=True)
+class SideGroups:
+    """Our own groups of the whole job: gloo, for host-side flags and small objects whatever
+    the job's backend (NCCL reduces only GPU tensors). Made together when the grid is, and
+    kept for the job's life: destroying a gloo group after a wait deadlocked on torch 2.6
+    (its destructor joins its worker threads holding the GIL while a worker, freeing the
+    finished broadcast's tensors, waits for the GIL)."""
+
+    stop_requests: dist.ProcessGroup
+    """Where the ranks agree whether any got a stop signal (`ProcessGrid.any_rank`)."""
+    checkpoints: dist.ProcessGroup
+    """Where the ranks agree that a checkpoint's files are written (checkpoint.store)."""
+    rank_zero_wait: dist.ProcessGroup
+    """Where the others wait for rank 0's one-off work (`ProcessGrid.rank_zero_first`)."""
+
+    @classmethod
+    def make(cls, peers: Peers, rank_zero_wait_s: float | None) -> SideGroups:
+        """The groups, named in `peers`. rank_zero_first's waits a minute past
+        `rank_zero_wait_s` (parallel.rank_zero_wait_s), so the watch's clearer message
+        comes first; the others the job's collective timeout."""
+        wait = RANK_ZERO_FIRST_TIMEOUT
+        if rank_zero_wait_s is not None:
+            wait = timedelta(seconds=rank_zero_wait_s + 60)
+
+        def group(role: str, timeout: timedelta | None = None) -> dist.ProcessGroup:
+            return peers.name(dist.new_group(backend="gloo", timeout=timeout), role)
+
+        return cls(
+            stop_requests=group("the stop-request group"),
+            checkpoints=group("the checkpoint-agreement group"),
+            rank_zero_wait=group("rank_zero_first's group", wait),
+        )
 
 
 class ProcessGrid:
@@ -69,17 +104,8 @@ class ProcessGrid:
         """megatron's groups as DeepSpeed's engine asks for them (`mpu=`)."""
         for role, group in reversed(self._megatron_roles()):  # (the first role wins)
             peers.name(group, role)
-        self._stop_group = self._waiting_group = self.checkpoint_group = None
-        if world > 1:  # host-side flags and objects, whatever the job's backend
-            self._stop_group = self._side_group("the stop-request group")
-            self.checkpoint_group = self._side_group("the checkpoint-agreement group")
-            """The group checkpoints agree in (None: a job of one process)."""
-            # its timeout is a minute past parallel.rank_zero_wait_s, so the watch's clearer
-            # message comes first
-            wait = RANK_ZERO_FIRST_TIMEOUT
-            if rank_zero_wait_s is not None:
-                wait = timedelta(seconds=rank_zero_wait_s + 60)
-            self._waiting_group = self._side_group("rank_zero_first's group", wait)
+        self.side = None if world == 1 else SideGroups.make(peers, rank_zero_wait_s)
+        """Our host-side groups (None: a job of one process has nothing to agree on)."""
 
     @classmethod
     def join(
@@ -104,7 +130,7 @@ class ProcessGrid:
                 wait_s = rank_zero_wait_s
                 if wait_s is None:
                     wait_s = RANK_ZERO_FIRST_TIMEOUT.total_seconds()
-                peers.watch = start_watch(heartbeat_dir, timeout_s, wait_s)
+                peers.start_watch(heartbeat_dir, timeout_s, wait_s)
             return cls(dims, peers, rank_zero_wait_s)
 
     @classmethod
@@ -134,6 +160,11 @@ class ProcessGrid:
     def data_group(self) -> dist.ProcessGroup:
         return ps.get_data_parallel_group()
 
+    @property
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The group checkpoints agree in (None: a job of one process)."""
+        return None if self.side is None else self.side.checkpoints
+
     # collectives of the whole run
     @contextlib.contextmanager
     def watching(self) -> Iterator[ProcessGrid]:
@@ -152,10 +183,10 @@ class ProcessGrid:
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank (one all-reduce on the stop-request group;
         collective: every rank calls it at the same point)."""
-        if self._stop_group is None:
+        if self.side is None:
             return flag
         total = torch.tensor(int(flag), dtype=torch.int32)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self._stop_group)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.side.stop_requests)
         return bool(total)
 
     def data_parallel_mean(self, value: torch.Tensor) -> float:
@@ -192,9 +223,9 @@ class ProcessGrid:
         message (a ValueError stays a ValueError: bad input is reported as such everywhere)
         instead of waiting.
         """
-        group = self._waiting_group
-        if group is None:
+        if self.side is None:
             return work()
+        group = self.side.rank_zero_wait
         result, failure = None, None
         if self.rank == 0:
             try:
@@ -218,13 +249,6 @@ class ProcessGrid:
         it fails, every rank fails with its message); None on the other ranks."""
         rank = self.rank
         return self.rank_zero_first(lambda: work() if rank == 0 else None)
-
-    def _side_group(self, role: str, timeout: timedelta | None = None) -> dist.ProcessGroup:
-        """A gloo group of the whole job for host-side flags and objects, named `role`.
-        Kept for the job's life: destroying a gloo group after a wait deadlocked on torch
-        2.6 (its destructor joins its worker threads holding the GIL while a worker,
-        freeing the finished broadcast's tensors, waits for the GIL)."""
-        return self.peers.name(dist.new_group(backend="gloo", timeout=timeout), role)
 
     @staticmethod
     def _megatron_roles() -> list[tuple[str, dist.ProcessGroup]]:

@@ -71,7 +71,7 @@ class PeerLost(RuntimeError):
 
 @dataclass
 class Watch:
-    """This process's watch over its peers' heartbeats (started by `start_watch`)."""
+    """This process's watch over its peers' heartbeats (started by `Peers.start_watch`)."""
 
     run_dir: Path
     timeout_s: float
@@ -85,23 +85,6 @@ class Watch:
     @property
     def silent_after_s(self) -> float:
         return STALE_INTERVALS * self.heartbeat.interval
-
-
-def start_watch(run_dir: str | Path, timeout_s: float, rank_zero_wait_s: float) -> Watch | None:
-    """Start this rank's heartbeat in `run_dir` and agree on the run's token (collective:
-    every rank calls it, once the process group is up). A job of one process has no peers
-    to watch: None."""
-    if dist.get_world_size() == 1:
-        return None
-    # (NCCL broadcasts only CUDA tensors)
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    )
-    token = torch.tensor([int(time.time() * 1000)], dtype=torch.int64, device=device)
-    dist.broadcast(token, src=0)  # before any heartbeat: no report can race it
-    beat = heartbeat.Heartbeat(run_dir, dist.get_rank(), heartbeat.interval_for(timeout_s))
-    return Watch(Path(run_dir).expanduser(), timeout_s, rank_zero_wait_s, beat.start(),
-                 int(token))  # fmt: skip
 
 
 def is_lost_peer(err: BaseException) -> bool:
@@ -145,6 +128,24 @@ class Peers:
             return "the world"
         named = self._roles.get(id(group))
         return named[1] if named is not None and named[0] is group else "a group"
+
+    def start_watch(self, run_dir: str | Path, timeout_s: float, rank_zero_wait_s: float) -> None:
+        """Start this rank's heartbeat in `run_dir` and agree on the run's token (collective:
+        every rank calls it, once the process group is up); `timeout_s` is how long a
+        collective waits (parallel.timeout_s), `rank_zero_wait_s` how long the others wait
+        for rank 0's one-off work. A job of one process has no peers to watch."""
+        self.stop()
+        if dist.get_world_size() == 1:
+            return
+        # (NCCL broadcasts only CUDA tensors)
+        device = None
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        token = torch.tensor([int(time.time() * 1000)], dtype=torch.int64, device=device)
+        dist.broadcast(token, src=0)  # before any heartbeat: no report can race it
+        beat = heartbeat.Heartbeat(run_dir, dist.get_rank(), heartbeat.interval_for(timeout_s))
+        self.watch = Watch(Path(run_dir).expanduser(), timeout_s, rank_zero_wait_s, beat.start(),
+                           int(token))  # fmt: skip
 
     def beat(self, step: int) -> None:
         """Tell the heartbeat the optimizer steps done so far."""

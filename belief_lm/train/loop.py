@@ -1,13 +1,13 @@
 """The training loop: `train(cfg)` reads top to bottom.
 
-`train` checks the run before any process starts (`components.start_run`: pre-flight),
-joins the process grid (`components.join_grid`) and builds the Trainer from its parts
-(`Trainer.build`, each part made by a factory of `belief_lm.train.components`). The loop
-then repeats `train_step`, which returns what the step did (`StepResult`), and, when due,
-`log`, `validate`, `diagnose` and `save`. The engine's step is `belief_lm.train.engine`,
-meters and sinks are `belief_lm.train.metrics`, checkpoints `belief_lm.train.trainer_state`;
-what a person watching sees is `progress`, loss spikes `spikes`, the per-rank compute times
-`ranks`, a profiled stretch of steps `profile`.
+`train` checks the run before any process starts (`components.start_run`: pre-flight), joins
+the process grid (`components.join_grid`) and builds the Trainer from its parts
+(`Trainer.build`, each part made by a factory of `belief_lm.train.components`). The loop,
+`run_steps`, then repeats `train_step`, which returns what the step did (`StepResult`), and,
+when due, `log`, `validate`, `diagnose` and `save`. The engine's step is
+`belief_lm.train.engine`, meters and sinks are `belief_lm.train.metrics`, checkpoints
+`belief_lm.train.trainer_state`; what a person watching sees is `progress`, loss spikes
+`spikes`, the per-rank compute times `ranks`, a profiled stretch of steps `profile`.
 """
 
 from __future__ import annotations
@@ -112,42 +112,49 @@ def train(cfg: Config, stop: StopRequests | None = None) -> TrainResult:
         # a collective that fails because a peer is silent or gone raises peers.PeerLost
         with components.join_grid(cfg, start).watching() as grid:
             trainer = Trainer.build(cfg, start, grid)
-            result = TrainResult(run_dir=trainer.run_dir, steps=cfg.train.max_steps)
             try:
-                while trainer.step < cfg.train.max_steps:
-                    try:
-                        done = trainer.train_step()
-                    except DataFault as fault:  # on every rank, before the step trained
-                        if trainer.step > trainer.start:
-                            trainer.save()  # the last completed step, data position included
-                        raise DataStop(f"{fault}; stopped after step {trainer.step}") from None
-                    grid.beat(done.step)
-                    if done.nonfinite:
-                        skipped_in_a_row(result, done.step, cfg.train.max_nonfinite_steps, trainer)
-                    if trainer.due(cfg.run.log_interval):
-                        result.losses[done.step] = trainer.log(done)
-                    if done.spike is not None:
-                        spiked_in_a_row(result, done, trainer)
-                    if trainer.due(cfg.train.eval_interval):
-                        result.val_losses[done.step] = trainer.validate()
-                    if trainer.due(cfg.run.diagnostics_interval, at_end=False):
-                        trainer.diagnose(done.last_batch)
-                    stopping = stop.agreed(grid)  # a stop signal on any rank (one all-reduce)
-                    trainer.checkpoints.poll()  # publishes a background save all ranks wrote
-                    if stopping or trainer.checkpoint_due():
-                        evaluating = not stopping and downstream.due(cfg.train, done.step)
-                        checkpoint = trainer.save(wait=stopping or evaluating)
-                        if evaluating:
-                            result.task_scores[done.step] = trainer.evaluate_tasks(checkpoint)
-                    if stopping:
-                        raise Preempted(done.step)
-                trainer.checkpoints.wait()  # the last save, if it is still being written
+                return run_steps(trainer, stop)
             except RuntimeError as err:
                 if is_lost_peer(err):  # the step cannot finish: no orderly stop
                     end_child_processes()
                 raise
             finally:
                 trainer.close()  # loader workers stopped while stop signals are still caught
+
+
+def run_steps(trainer: Trainer, stop: StopRequests) -> TrainResult:
+    """The steps from the trainer's to train.max_steps, each followed by what is due: the
+    log, validation, diagnostics, a stop request, a checkpoint."""
+    cfg, grid = trainer.cfg, trainer.grid
+    result = TrainResult(run_dir=trainer.run_dir, steps=cfg.train.max_steps)
+    while trainer.step < cfg.train.max_steps:
+        try:
+            done = trainer.train_step()
+        except DataFault as fault:  # raised on every rank, before the step trained
+            if trainer.step > trainer.start:
+                trainer.save()  # the last completed step, data position included
+            raise DataStop(f"{fault}; stopped after step {trainer.step}") from None
+        grid.beat(done.step)
+        if done.nonfinite:
+            skipped_in_a_row(result, done.step, cfg.train.max_nonfinite_steps, trainer)
+        if trainer.due(cfg.run.log_interval):
+            result.losses[done.step] = trainer.log(done)
+        if done.spike is not None:
+            spiked_in_a_row(result, done, trainer)
+        if trainer.due(cfg.train.eval_interval):
+            result.val_losses[done.step] = trainer.validate()
+        if trainer.due(cfg.run.diagnostics_interval, at_end=False):
+            trainer.diagnose(done.last_batch)
+        stopping = stop.agreed(grid)  # a stop signal on any rank (one small all-reduce)
+        trainer.checkpoints.poll()  # publishes a background save all ranks wrote
+        if stopping or trainer.checkpoint_due():
+            evaluating = not stopping and downstream.due(cfg.train, done.step)
+            checkpoint = trainer.save(wait=stopping or evaluating)
+            if evaluating:
+                result.task_scores[done.step] = trainer.evaluate_tasks(checkpoint)
+        if stopping:
+            raise Preempted(done.step)
+    trainer.checkpoints.wait()  # the last save, if it is still being written
     return result
 
 

@@ -63,14 +63,14 @@ def test_chunked_loss_under_zero3(single_process_group):
     after: three steps of the chunked loss give the plain loss's losses."""
     from belief_lm.config import load_config
     from tests.jobs import MICRO, ROOT
-    from tests.models import engine_for
+    from tests.models import trainee_for
 
     batches = [(r[:, :-1], r[:, 1:]) for r in (rows(seed) for seed in range(3))]
     losses = {}
     for chunk in (0, 23):
         overrides = ["model.num_layers=1", "parallel.zero_stage=3", "train.global_batch_size=2"]
         cfg = load_config(ROOT / MICRO, [*overrides, f"train.loss_chunk_tokens={chunk}"])
-        trainee = engine_for(cfg, single_process_group, VOCAB)
+        trainee = trainee_for(cfg, single_process_group, VOCAB)
         losses[chunk] = [trainee.train_step(iter([batch])).loss.item() for batch in batches]
         trainee.engine.destroy()
     assert losses[23] == pytest.approx(losses[0], rel=1e-5)

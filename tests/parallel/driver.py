@@ -4,12 +4,13 @@
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --save-at K
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --resume CHECKPOINT
 
-Builds the engine exactly as training does (build_trainee, through tests.models.engine_for) and runs
-a few steps with train_step, on data that depends only on (step, global sequence index),
-so every layout sees the same global batch. Records on every rank: the global-batch loss
-of each step, the full gradient of every parameter just before each optimizer step
-(ZeRO fragments and TP shards gathered, pipeline names mapped to BeliefLM's), and the full
-parameters at the end. Writes OUT_DIR/<variant>-zero<stage>-rank<r>.pt.
+Builds the model in its engine exactly as training does (build_trainee, through
+tests.models.trainee_for) and runs a few steps with train_step, on data that depends only on
+(step, global sequence index), so every layout sees the same global batch. Records on every
+rank: the global-batch loss of each step, the full gradient of every parameter just before
+each optimizer step (ZeRO fragments and TP shards gathered, pipeline names mapped to
+BeliefLM's), and the full parameters at the end.
+Writes OUT_DIR/<variant>-zero<stage>-rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from belief_lm.parallel.grid import ProcessGrid  # noqa: E402
 from belief_lm.preflight import resume_from  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
 from belief_lm.train import trainer_state  # noqa: E402
-from tests.models import engine_for  # noqa: E402
+from tests.models import trainee_for  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
 
@@ -98,7 +99,7 @@ def run(
     cfg.checkpoint.resume = resume or "never"
     # the synthetic data below resumes at any data-parallel size: only the weights' checks
     checkpoint = resume_from(cfg, grid.dims)
-    trainee = engine_for(
+    trainee = trainee_for(
         cfg, grid, VOCAB, load_universal=checkpoint is not None and checkpoint.other_layout
     )
     engine = trainee.engine

@@ -29,10 +29,12 @@ from belief_lm.parallel.grid import ProcessGrid
 def main():
     out_dir, case = sys.argv[1:]
     env, wait_s = detect(), 2 if case == "slow" else 60
+    # groups made at leisure (a loaded machine), then collectives watched at 4 s
     grid = ProcessGrid.join(
-        env, torch.device("cpu"), ParallelDims(env.world_size, 1, 1), timeout_s=4,
-        heartbeat_dir=out_dir, rank_zero_wait_s=wait_s,
+        env, torch.device("cpu"), ParallelDims(env.world_size, 1, 1), timeout_s=60,
+        rank_zero_wait_s=wait_s,
     )  # fmt: skip
+    grid.peers.start_watch(out_dir, timeout_s=4, rank_zero_wait_s=wait_s)
 
     def work():
         if dist.get_rank() == 0 and case == "slow":

@@ -7,7 +7,13 @@ import torch
 
 from belief_lm.config import TrainConfig
 from belief_lm.train.loop import train
-from belief_lm.train.optim import WarmupCosine, adamw_kernel, build_optimizer, param_groups
+from belief_lm.train.optim import (
+    Update,
+    WarmupCosine,
+    adamw_kernel,
+    build_optimizer,
+    param_groups,
+)
 
 
 def test_warmup_then_cosine_to_min_lr():
@@ -44,6 +50,29 @@ def test_weight_decay_only_on_matrices():
     # the optimizer decays each parameter as its group says: matrices only
     decayed = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
     assert decayed == {id(p): 0.1 if p.ndim >= 2 else 0.0 for p in model.parameters()}
+
+
+def test_the_optimizer_tells_what_each_step_decided():
+    """A vetoed step and a non-finite gradient leave the weights as they were; each step's
+    decision is taken once (none before a step); the veto holds only where it is given."""
+    model = torch.nn.Linear(2, 2)
+    optimizer, _ = build_optimizer(model, TrainConfig(lr=0.1, warmup_steps=0), torch.device("cpu"))
+    weights = [p.detach().clone() for p in model.parameters()]
+
+    def step(grad: float, veto: bool = False) -> Update | None:
+        for param in model.parameters():
+            param.grad = torch.full_like(param, grad)
+        with optimizer.vetoing(veto):
+            optimizer.step()
+        return optimizer.take_update()
+
+    assert optimizer.take_update() is None
+    assert step(1.0, veto=True) == Update(nonfinite=False, vetoed=True)
+    assert optimizer.take_update() is None  # taken
+    assert step(float("nan")) == Update(nonfinite=True, vetoed=False)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    assert step(1.0) == Update(nonfinite=False, vetoed=False)
+    assert not any(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
 
 
 @pytest.mark.parametrize(
