@@ -15,7 +15,9 @@ what happened says it, in one line.
   it there as JSON, for launchers and people), the others stay quiet.
 
 A job's ranks agree on a run token when the watch starts, so a restarted job reports its
-own faults, not an earlier run's.
+own faults, not an earlier run's. What a process knows of its peers (the roles of the
+groups, the watch over the heartbeats) is a `Peers`, owned by the process grid
+(belief_lm.parallel.grid).
 """
 
 from __future__ import annotations
