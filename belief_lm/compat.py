@@ -22,13 +22,17 @@ megatron-core: its linears' private GEMM call and dgrad all-reduce flag (RowLine
 ColumnLinear, for torch.compile), and the `_extra_state` entries of its state dicts.
 
 DeepSpeed: where its engine takes a step's gradient norm from, which C++ ops it may build
-on a CPU, and the names of its checkpoint files (which consolidate.py reads directly).
+on a CPU, the names of its checkpoint files (which consolidate.py reads directly), the
+classes it pickles into them, and its own `torch.load` calls (which pass
+weights_only=False), routed through belief-lm's weights-only loader.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import types
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -194,3 +198,52 @@ def optim_states_pattern(model_rank: int, kind: str = "optim") -> str:
 def zero_rank(name: str) -> int:
     """The data-parallel rank of a ZeRO file's name."""
     return int(re.search(r"zero_pp_rank_(\d+)_", name)[1])
+
+
+def deepspeed_checkpoint_types() -> list[type]:
+    """The classes DeepSpeed pickles into its checkpoint files besides tensors and plain
+    values: its ZeRO and bf16 optimizers' states hold a LossScaler (also in fp32 and bf16),
+    the ZeRO stage as a ZeroStageEnum, and each parameter's place in the flat partition as a
+    fragment_address. Each is rebuilt from plain values (an enum member by value, the others
+    by setting their attributes), which runs none of the file's code."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+DEEPSPEED_DIRECT_LOADS = (
+    "deepspeed.checkpoint.universal_checkpoint",
+    "deepspeed.runtime.base_optimizer",
+    "deepspeed.runtime.zero.stage3",
+    "deepspeed.checkpoint.ds_to_universal",
+    "deepspeed.checkpoint.deepspeed_checkpoint",
+    "deepspeed.checkpoint.zero_checkpoint",
+    "deepspeed.utils.zero_to_fp32",
+)
+"""DeepSpeed's modules that read checkpoint files with `torch.load(..., weights_only=False)`
+themselves instead of through the engine's checkpoint engine: loading a universal
+checkpoint (its ZeRO optimizers), converting to one (ds_to_universal and the readers it
+uses), and zero_to_fp32 (consolidate.py's ZeRO-3 weights)."""
+
+
+@contextlib.contextmanager
+def deepspeed_loads_through(load: Callable) -> Iterator[None]:
+    """Within the block, every `torch.load` call (DeepSpeed's direct loads of
+    DEEPSPEED_DIRECT_LOADS among them) goes to `load(f, map_location, mmap=...)` instead,
+    whatever weights_only it asks for. DeepSpeed has no argument for a loader: its modules
+    call `torch.load` by its name in the torch module, which is replaced for the duration
+    (for the whole process: nothing else loads while a checkpoint is being read).
+    `torch.serialization.load`, the same function under its own name, stays as it is."""
+    original = torch.load
+
+    def routed(f, map_location=None, pickle_module=None, *, weights_only=None, mmap=None,
+               **pickle_load_args):  # fmt: skip
+        return load(f, map_location, mmap=bool(mmap))
+
+    torch.load = routed
+    try:
+        yield
+    finally:
+        torch.load = original

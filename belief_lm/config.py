@@ -23,11 +23,12 @@ from pydantic import (
     model_validator,
 )
 
+from belief_lm.errors import BadInput
 from belief_lm.variants import VARIANTS, AttentionVariant, Variant
 from data_pipeline.config import DataConfig, PositiveInt, Section
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput):
     """A configuration problem, with the offending key in the message."""
 
 
@@ -58,6 +59,11 @@ class ModelConfig(Section):
     """Pre-norm type."""
     norm_epsilon: float = Field(1e-5, gt=0)
     """Epsilon of the norms."""
+    qk_norm: bool = False
+    """RMSNorm of each head's queries and keys before RoPE (and before any variant's own
+    use of them, Attention-BN's recentring included), one weight of head_dim shared by the
+    heads, for queries and for keys (Qwen3's q_norm / k_norm; megatron's qk_layernorm,
+    but RMSNorm whatever `normalization` is). Keeps attention logits bounded."""
     activation: Literal["gelu", "swiglu"] = "gelu"
     """MLP activation; swiglu is a gated linear unit with SiLU."""
     position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
@@ -146,7 +152,7 @@ def padded_vocab_size(tokenizer_vocab: int, model: ModelConfig, tensor_parallel:
     checkpoint could not move to another TP size."""
     if model.vocab_size is not None:
         if model.vocab_size < tokenizer_vocab:
-            raise ValueError(
+            raise ConfigError(
                 f"model.vocab_size ({model.vocab_size}) is smaller than the tokenizer's "
                 f"vocabulary ({tokenizer_vocab})"
             )
@@ -155,7 +161,7 @@ def padded_vocab_size(tokenizer_vocab: int, model: ModelConfig, tensor_parallel:
         multiple = model.make_vocab_size_divisible_by
         size = -(-tokenizer_vocab // multiple) * multiple
     if size % tensor_parallel:
-        raise ValueError(
+        raise ConfigError(
             f"the vocabulary ({size}) is not divisible by the tensor-parallel size "
             f"({tensor_parallel}); set model.vocab_size or model.make_vocab_size_divisible_by"
         )
@@ -213,7 +219,7 @@ class SpikeConfig(Section):
 
 
 class TrainConfig(Section):
-    """Optimisation: AdamW, warmup + cosine, clipping, accumulation."""
+    """Optimisation: AdamW, the learning-rate schedule, clipping, accumulation, the loss."""
 
     max_steps: PositiveInt = 100
     """Optimizer steps to run."""
@@ -227,11 +233,25 @@ class TrainConfig(Section):
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate."""
     min_lr: float = Field(1e-4, ge=0)
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay (cosine and wsd)."""
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """After the warmup: cosine, from lr down to min_lr at decay_steps; wsd
+    (warmup-stable-decay), lr held, then decayed to min_lr at decay_steps over the last
+    wsd_decay_steps (or wsd_decay_fraction) of them, in the shape wsd_decay_shape; constant,
+    lr held to the end. Then min_lr (cosine, wsd) until max_steps."""
     warmup_steps: int = Field(10, ge=0)
     """Linear warmup steps."""
     decay_steps: PositiveInt | None = None
-    """Step at which the cosine reaches min_lr; None: max_steps."""
+    """Step at which the decay reaches min_lr (cosine, wsd); None: max_steps."""
+    wsd_decay_steps: PositiveInt | None = None
+    """wsd: steps of the decay, ending at decay_steps (Megatron's lr_wsd_decay_iters);
+    None: wsd_decay_fraction of decay_steps."""
+    wsd_decay_fraction: float | None = Field(None, gt=0, le=1)
+    """wsd: the decay's share of the steps up to decay_steps (OLMo-core's decay_fraction),
+    instead of wsd_decay_steps; None with neither set: 0.2."""
+    wsd_decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"
+    """wsd: how the decay goes from lr to min_lr, with r its share done: linear (1 - r),
+    cosine ((1 + cos(pi r)) / 2) or 1-sqrt (1 - sqrt(r))."""
     weight_decay: float = Field(0.1, ge=0)
     """AdamW weight decay, applied to weights of two or more dimensions only."""
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -253,6 +273,11 @@ class TrainConfig(Section):
     layer's attention core, FamilyCoreAttention: softmax and the belief projections, as
     Megatron's recompute_granularity=selective); full (each whole decoder layer). true and
     false, from older configs, mean full and none."""
+    z_loss: float = Field(0.0, ge=0)
+    """Coefficient of the z-loss added to the training objective: z_loss x the mean, over
+    the trained tokens, of log(sum of exp(logits))^2 over the whole vocabulary (PaLM,
+    OLMo); it keeps the output logits from drifting. Logged as `z_loss` beside the loss
+    (which stays the cross entropy). 0: none. E.g. 1e-4."""
     loss_chunk_tokens: int = Field(0, ge=0)
     """0: the loss from the whole micro-batch's logits, whose fp32 softmax (4 bytes per
     token and vocabulary row) is kept for backward; N: the output GEMM and the cross
@@ -294,6 +319,42 @@ class TrainConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_schedule(self) -> TrainConfig:
+        wsd = {"wsd_decay_steps": self.wsd_decay_steps,
+               "wsd_decay_fraction": self.wsd_decay_fraction}  # fmt: skip
+        given = [name for name, value in wsd.items() if value is not None]
+        if self.lr_schedule != "wsd" and given:
+            raise ValueError(f"{given[0]} applies to lr_schedule=wsd, not {self.lr_schedule}")
+        if len(given) > 1:
+            raise ValueError("wsd_decay_steps and wsd_decay_fraction both set; set one of them")
+        if self.lr_schedule == "wsd" and self.decay_start < self.warmup_steps:
+            what = given[0] if given else "wsd_decay_fraction (default 0.2)"
+            raise ValueError(
+                f"{what}: the decay ({self.decay_end - self.decay_start} steps, ending at step "
+                f"{self.decay_end}) would start before the warmup ends (warmup_steps="
+                f"{self.warmup_steps})"
+            )
+        return self
+
+    @property
+    def decay_end(self) -> int:
+        """The step at which the learning rate reaches min_lr (cosine, wsd), after warmup."""
+        return max(self.decay_steps or self.max_steps, self.warmup_steps + 1)
+
+    @property
+    def decay_start(self) -> int:
+        """The step at which the decay begins: the warmup's end (cosine), the stable phase's
+        end (wsd); decay_end for a constant rate (which never decays)."""
+        if self.lr_schedule == "cosine":
+            return self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.decay_end
+        length = self.wsd_decay_steps
+        if length is None:
+            length = max(1, round((self.wsd_decay_fraction or 0.2) * self.decay_end))
+        return self.decay_end - length
+
 
 class CheckpointConfig(Section):
     """When to save, how many to keep, what to resume from."""
@@ -314,6 +375,12 @@ class CheckpointConfig(Section):
     (manifest, run.json, `latest`) at a later step once every rank has written its files.
     A stop signal and the end of training wait for it. Costs host memory for one more copy
     of each rank's checkpoint state."""
+    trust: bool = Field(False, exclude=True)
+    """Resume from a checkpoint whose files hold more than a checkpoint may (one an earlier
+    belief-lm wrote): those files are loaded with pickle, which can run any code they hold,
+    after a warning naming each. Only for checkpoints you made yourself; off, such a
+    checkpoint is refused (exit 2) naming the file (docs/checkpoints.md). Never saved with
+    the run's config (`--trust-checkpoint` or checkpoint.trust=true on each command)."""
 
 
 class WandbConfig(Section):

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from belief_lm.checkpoint.consolidate import consolidate, load_full_state
+from belief_lm.errors import BadInput
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.parallel import env as process_env
 from belief_lm.parallel.dims import ParallelDims
@@ -34,13 +35,16 @@ def evaluate(
     max_batches: int = 50,
     micro_batch_size: int | None = None,
     device: str = "auto",
+    trust: bool = False,
 ) -> dict:
-    """{'loss', 'perplexity', 'tokens', 'batches', 'step', ...}, the same on every rank."""
+    """{'loss', 'perplexity', 'tokens', 'batches', 'step', ...}, the same on every rank.
+    `trust`: see consolidate."""
     env = process_env.detect()
     torch_device = select_device(device, env.local_rank)
     grid = ProcessGrid.join(env, torch_device, ParallelDims(env.world_size, tensor, 1))
     layout = grid.layout
-    ckpt = consolidate(checkpoint)  # every rank reads the files: no conversion, no collective
+    # every rank reads the files: no conversion, no collective
+    ckpt = consolidate(checkpoint, trust=trust)
     cfg = ckpt.config
     data = cfg.data
     if data_source is not None:  # a dedicated evaluation source: all of its documents
@@ -56,7 +60,7 @@ def evaluate(
     load_full_state(model, ckpt.state_dict)
     loss, tokens = validation_loss(model.to(torch_device), batches, grid.data_group)
     if tokens == 0:
-        raise ValueError(
+        raise BadInput(
             f"no validation data for {checkpoint} (data: {[s.uri for s in data.sources]})"
         )
     return {

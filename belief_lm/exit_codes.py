@@ -1,7 +1,9 @@
 """Exit codes of the `belief-lm` command: what a job script or scheduler acts on.
 
-Torch-free, so job submission (the sbatch template requeues on PREEMPTED) and tests read
-them without the training stack.
+Defined here only: the command maps exceptions to them (belief_lm.cli.exits), `launch
+local` acts on them (launcher.local), and `launch slurm` renders them into the sbatch
+template (launcher.slurm.exit_code_settings). Torch-free and importing nothing, so job
+submission and tests read them without the training stack.
 """
 
 DONE = 0
@@ -30,3 +32,8 @@ in place; EX_UNAVAILABLE)."""
 PREEMPTED = 75
 """Stopped by SIGTERM, SIGUSR1 or SIGINT after saving a checkpoint (EX_TEMPFAIL, 'try again
 later'): requeue the job and it resumes from there."""
+
+NOT_RESTARTED = (DONE, BAD_INPUT, LOSS_SPIKES, PREEMPTED)
+"""Ends that restarting the ranks in place (launch.failure_restarts) would not change: done,
+bad input, a person's call (loss spikes), a stop (the job is requeued instead). Every other
+end of a training step is a failure that a restart from the newest checkpoint may get past."""

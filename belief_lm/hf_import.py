@@ -1,22 +1,29 @@
-"""`belief-lm import-hf DIR --config RUN.yaml`: a Hugging Face Llama as a run's step 0.
+"""`belief-lm import-hf DIR --config RUN.yaml`: a Hugging Face Llama (or Qwen3) as a run's
+step 0.
 
-Reads a local LlamaForCausalLM folder (config.json and model.safetensors, or shards named
-by model.safetensors.index.json) and writes `<run.output_dir>/checkpoints/step_000000`, a
-weights-only checkpoint (belief_lm/checkpoint/files.py): `belief-lm train` with the same
-config starts from those weights (checkpoint.resume=auto finds it, or name it), at any
-layout, with a fresh optimizer and data stream; evaluate, generate and export read it too.
+Reads a local LlamaForCausalLM or Qwen3ForCausalLM folder (config.json and
+model.safetensors, or shards named by model.safetensors.index.json: safetensors only, a
+format of raw tensors that runs no code when read; a folder with pickled weights alone,
+`pytorch_model*.bin`, is refused, as loading one can run any code it holds) and writes
+`<run.output_dir>/checkpoints/step_000000`, a weights-only checkpoint
+(belief_lm/checkpoint/files.py): `belief-lm train` with the same config starts from those
+weights (checkpoint.resume=auto finds it, or name it), at any layout, with a fresh
+optimizer and data stream; evaluate, generate and export read it too.
 
 Checked before any work, each refusal naming the field: the run's model must be a Llama
 (RMSNorm, SwiGLU, RoPE, no biases) of the checkpoint's shape (layers, width, heads, KV
-heads, MLP width, vocabulary, RoPE theta, norm epsilon, tied embeddings). The tokenizer:
+heads, MLP width, vocabulary, RoPE theta, norm epsilon, tied embeddings). A Qwen3 is a
+Llama with QK-norm (q_norm / k_norm per head, before RoPE): the run needs model.qk_norm,
+and a head_dim of hidden_size / num_attention_heads; no sliding window. The tokenizer:
 a Llama's ids come from its own tokenizer, not from one belief-lm would train, so the run
 must name it (data.tokenizer.path), or DIR must hold its sentencepiece `tokenizer.model`,
 which the written config then names (give `train` the same data.tokenizer.path).
 
-Weights are fp32 under BeliefLM's names (export/hf.py's naming, in reverse). Any attention
+Weights are fp32 under BeliefLM's names (the model's description, belief_lm.description,
+read the other way than export/hf.py reads it). Any attention
 variant may be chosen: softmax computes what the Llama computes; the others start from its
 weights (belief_star's W^s, which a Llama lacks, is initialised as a fresh model's, from
-run.seed).
+run.seed; so are the QK-norms of a run with model.qk_norm from a Llama).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from pathlib import Path
 
 from belief_lm.checkpoint.files import CheckpointInfo, complete_checkpoints, step_name
 from belief_lm.config import Config, ModelConfig, padded_vocab_size
+from belief_lm.description import describe
+from belief_lm.errors import BadInput
 from belief_lm.preflight import checkpoint_root
 from data_pipeline.tokenizer import Tokenizer
 
@@ -36,6 +45,8 @@ LLAMA_ARCHITECTURE = {
     "bias": False,
 }
 """ModelConfig fields a Llama fixes."""
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""The model types import-hf reads (config.json's model_type) and their classes."""
 
 
 def shape_fields(model: ModelConfig, vocab_size: int) -> list[tuple[str, object, str, object]]:
@@ -59,17 +70,23 @@ def shape_fields(model: ModelConfig, vocab_size: int) -> list[tuple[str, object,
 
 
 def read_config(folder: Path) -> dict:
-    """config.json of a Llama checkpoint (transformers 4 and 5 spellings of RoPE's settings
-    flattened), or ValueError naming what is wrong."""
+    """config.json of a Llama or Qwen3 checkpoint (transformers 4 and 5 spellings of RoPE's
+    settings flattened; `model_type` set), or BadInput naming what is wrong."""
     path = folder / "config.json"
     try:
         hf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a readable config.json ({err})") from None
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in hf.get("architectures", []):
-        raise ValueError(
-            f"{path}: model_type {hf.get('model_type')!r} is not a Llama (LlamaForCausalLM)"
+        raise BadInput(f"{path}: not a readable config.json ({err})") from None
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        classes = hf.get("architectures") or []
+        kind = next((k for k, c in ARCHITECTURES.items() if c in classes), None)
+    if kind is None:
+        raise BadInput(
+            f"{path}: model_type {hf.get('model_type')!r} is not a Llama (LlamaForCausalLM) "
+            "or a Qwen3 (Qwen3ForCausalLM)"
         )
+    hf["model_type"] = kind
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     hf.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
     hf["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
@@ -77,18 +94,25 @@ def read_config(folder: Path) -> dict:
 
 
 def check_model(hf: dict, model: ModelConfig, vocab_size: int, path: Path) -> None:
-    """ValueError listing every field where the run's model is not the checkpoint's."""
+    """BadInput listing every field where the run's model is not the checkpoint's."""
     differ = [
         f"model.{field} is {getattr(model, field)!r}, a Llama needs {value!r}"
         for field, value in LLAMA_ARCHITECTURE.items()
         if getattr(model, field) != value
     ]
+    if hf["model_type"] == "qwen3":
+        if not model.qk_norm:
+            differ.append("model.qk_norm is False, a Qwen3 needs True (its q_norm, k_norm)")
+        if hf.get("use_sliding_window") or any(
+            kind != "full_attention" for kind in hf.get("layer_types") or []
+        ):
+            differ.append("use_sliding_window: belief-lm attends to the whole context")
     for key, default, ours, value in shape_fields(model, vocab_size):
         theirs = hf.get(key, default)
         if theirs is None or theirs != value:
             differ.append(f"{key} is {theirs!r}, {ours} is {value!r}")
     if differ:
-        raise ValueError(f"{path / 'config.json'} does not fit the run: " + "; ".join(differ))
+        raise BadInput(f"{path / 'config.json'} does not fit the run: " + "; ".join(differ))
 
 
 def run_tokenizer(cfg: Config, folder: Path) -> tuple[Config, Tokenizer]:
@@ -96,7 +120,7 @@ def run_tokenizer(cfg: Config, folder: Path) -> tuple[Config, Tokenizer]:
     else DIR/tokenizer.model (then named in the config returned)."""
     if cfg.data.tokenizer.path is None:
         if not (folder / "tokenizer.model").is_file():
-            raise ValueError(
+            raise BadInput(
                 f"data.tokenizer.path is not set and {folder} has no tokenizer.model: a Hugging "
                 "Face checkpoint's ids are its own tokenizer's; set data.tokenizer.path to "
                 "that sentencepiece model (one trained by belief-lm would not fit the embedding)"
@@ -105,27 +129,41 @@ def run_tokenizer(cfg: Config, folder: Path) -> tuple[Config, Tokenizer]:
         cfg.data.tokenizer.path = str(folder / "tokenizer.model")
     path = Path(cfg.data.tokenizer.path).expanduser()
     if not path.is_file():
-        raise ValueError(f"data.tokenizer.path: no such file: {path}")
+        raise BadInput(f"data.tokenizer.path: no such file: {path}")
     return cfg, Tokenizer(path)
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """model.safetensors, or the shards model.safetensors.index.json names."""
+    """model.safetensors, or the shards model.safetensors.index.json names (BadInput if
+    they are not there, naming pickled weights it refuses to read)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise BadInput(f"{index}: not a safetensors index ({err!r})") from None
+        if not all(isinstance(s, str) and s == Path(s).name for s in shards):
+            raise BadInput(f"{index}: its weight_map names files outside {folder}")
         files = [folder / shard for shard in shards]
     else:
         files = [folder / "model.safetensors"]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise ValueError(f"no weights: {', '.join(missing)} not found (safetensors only)")
+        pickled = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+        why = (
+            f"; {', '.join(pickled)} is pickled weights, which can run code when loaded: "
+            "not read (convert them to safetensors where you trust them, e.g. transformers' "
+            "save_pretrained(safe_serialization=True))"
+            if pickled
+            else " (safetensors only)"
+        )
+        raise BadInput(f"no weights: {', '.join(missing)} not found{why}")
     return files
 
 
 def import_hf(folder: str | Path, cfg: Config) -> Path:
     """Write the step-0 checkpoint of run `cfg` from Llama checkpoint `folder`; returns its
-    path. ValueError (nothing written) if anything does not fit."""
+    path. BadInput (nothing written) if anything does not fit."""
     folder = Path(folder).expanduser()
     hf = read_config(folder)
     cfg, tokenizer = run_tokenizer(cfg, folder)
@@ -133,7 +171,7 @@ def import_hf(folder: str | Path, cfg: Config) -> Path:
     check_model(hf, cfg.model, vocab_size, folder)
     root = checkpoint_root(cfg)
     if complete_checkpoints(root) or (root / step_name(0)).exists():
-        raise ValueError(f"{root} already holds checkpoints: import into a new run.output_dir")
+        raise BadInput(f"{root} already holds checkpoints: import into a new run.output_dir")
     weights = llama_weights(weight_files(folder), cfg, vocab_size)
     info = CheckpointInfo(0, 0, 1, 1, 1, 0, vocab_size, weights_only=True)
     extra = {"config.yaml": cfg.to_yaml().encode(), "tokenizer.model": tokenizer.path.read_bytes()}
@@ -143,32 +181,34 @@ def import_hf(folder: str | Path, cfg: Config) -> Path:
 
 
 def llama_weights(files: list[Path], cfg: Config, vocab_size: int) -> dict:
-    """BeliefLM's whole fp32 weights from the Llama's tensors; what a Llama lacks
-    (belief_star's W^s) as a fresh model of run.seed initialises it."""
+    """BeliefLM's whole fp32 weights from the Llama's tensors, joined as the model's
+    description says; what a Llama lacks (belief_star's W^s) as a fresh model of run.seed
+    initialises it."""
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from belief_lm.export.hf import from_hf_state_dict
-    from belief_lm.model.gpt import BeliefLM
-    from belief_lm.parallel.grid import ProcessGrid
 
     theirs: dict[str, torch.Tensor] = {}
     for file in files:
-        theirs.update(load_file(file))
-    converted = from_hf_state_dict(theirs, cfg.model)
-    ProcessGrid.single_process()
-    fresh = BeliefLM(cfg.model, vocab_size, seed=cfg.run.seed).state_dict()
-    fresh = {name: t for name, t in fresh.items() if not name.endswith("_extra_state")}
-    unknown = sorted(set(converted) - set(fresh))
-    lacking = sorted(n for n in set(fresh) - set(converted) if not n.endswith("w_s.weight"))
-    problems = [f"{what} {', '.join(names[:5])}" for what, names in
-                (("unexpected", unknown), ("missing", lacking)) if names]  # fmt: skip
-    if problems:
-        raise ValueError("the checkpoint's tensors do not fit the run: " + "; ".join(problems))
-    for name, tensor in converted.items():
-        if tensor.shape != fresh[name].shape:
-            raise ValueError(
-                f"tensor {name}: shape {tuple(tensor.shape)}, the run's model has "
-                f"{tuple(fresh[name].shape)}"
-            )
-    return {name: converted.get(name, t).float().contiguous() for name, t in fresh.items()}
+        try:
+            theirs.update(load_file(file))
+        except (OSError, SafetensorError) as err:  # a corrupt or cut-short file
+            raise BadInput(f"{file}: not a readable safetensors file ({err})") from None
+    description = describe(cfg.model, vocab_size)
+    converted = from_hf_state_dict(theirs, description)  # every name and shape checked
+    weights = description.weights()
+    missing = [w.name for w in weights if w.in_llama and w.name not in converted]
+    if missing:
+        raise BadInput(
+            f"the checkpoint's tensors do not fit the run: missing {', '.join(missing[:5])}"
+        )
+    fresh = {}
+    if len(converted) < len(weights):
+        from belief_lm.model.gpt import BeliefLM
+        from belief_lm.parallel.grid import ProcessGrid
+
+        ProcessGrid.single_process()
+        fresh = BeliefLM(cfg.model, vocab_size, seed=cfg.run.seed).state_dict()
+    return {w.name: converted.get(w.name, fresh.get(w.name)).float().contiguous() for w in weights}

@@ -1,25 +1,29 @@
-"""The layout planner behind `belief-lm plan`: memory per GPU and step time of a run at
-every layout of N GPUs, without torch (it answers on a login node in a second).
+"""The planner behind `belief-lm plan`: memory per GPU and step time of a run at every
+layout of N GPUs, without torch (it answers on a login node in a second).
 
-For each layout pre-flight accepts (preflight.check_layout: tensor x pipeline x data,
-ZeRO stage, micro-batch) and each activation recompute mode, it predicts the bytes one
-GPU's torch allocator holds at its peak (what torch.cuda.max_memory_allocated reports):
+A layout is the rank grid, tensor x pipeline x data; a candidate is a layout pre-flight
+accepts (preflight.check_layout) with a ZeRO stage, a micro-batch and an activation
+recompute mode. For each candidate it predicts the bytes one GPU's torch allocator holds
+at its peak (what torch.cuda.max_memory_allocated reports):
 
 - weights, gradients and optimizer state as DeepSpeed 0.19 keeps them for that ZeRO stage
   and precision (bf16 weights, fp32 masters and Adam moments partitioned over data
   parallelism from ZeRO-1; fp32 throughout on a CPU), its reduce bucket (ZeRO 1-3:
   `reduce_bucket_size` elements, 5e8 unless configured), the optimizer step's temporaries;
-- activations per decoder layer, counted from what autograd keeps for backward in this
-  code (belief_star's Δ, Δ^s, the [Δ, Δ^s] input of W^o/W^s and, in bf16, the fp32 copies
-  its inner products take), under none / selective / full recompute, times the
+- activations per decoder layer, what autograd keeps for backward in this code as the
+  model's description lists it (belief_lm.description.layer_saved: belief_star's Δ, Δ^s,
+  the [Δ, Δ^s] input of W^o/W^s and, in bf16, the fp32 copies its inner products take),
+  under none / selective / full recompute, times the
   micro-batches a pipeline stage holds (1F1B), plus the loss's fp32 softmax over the
   vocabulary on the last stage (with train.loss_chunk_tokens only one chunk's logits, in
   backward);
 
 and the step time: FLOPs (belief_lm.train.flops, recompute included) at a stated fraction
 of the GPU's peak, the pipeline bubble, and the tensor-, data- and pipeline-parallel
-traffic at a stated bandwidth, not overlapped with compute (an upper bound). The memory
-model is checked against allocations measured on CPU by bench/memory.py.
+traffic at a stated bandwidth, not overlapped with compute (an upper bound). Parameters
+per stage and rank are the description's (belief_lm.description), as are the weights
+FLOPs count. The memory model is checked against allocations measured on CPU by
+bench/memory.py.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from belief_lm.config import Config, ModelConfig, padded_vocab_size
+from belief_lm.description import describe, layer_saved, norm_saved, stage_layers
 from belief_lm.preflight import check_layout
 from belief_lm.train.flops import (
     flops_per_token,
-    layer_matmul_weights,
     loss_recompute_flops_per_token,
     recompute_flops_per_token,
 )
@@ -73,8 +77,8 @@ class Machine:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One candidate layout: how the GPUs split, how much each keeps, what it recomputes
-    (a layout the planner weighs; parallel.dims.Layout is a running rank's)."""
+    """What the planner weighs: a layout (how the GPUs split), how much each GPU keeps
+    (ZeRO stage, micro-batch) and what it recomputes."""
 
     tensor: int
     pipeline: int
@@ -115,9 +119,9 @@ class Memory:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A layout's predicted memory and speed."""
+    """A candidate's predicted memory and speed."""
 
-    layout: Candidate
+    candidate: Candidate
     memory: Memory
     fits: bool
     step_time_s: float
@@ -136,28 +140,28 @@ def plan(
     max_micro_batch: int = 64,
     recompute: tuple[str, ...] = RECOMPUTE_MODES,
 ) -> list[Estimate]:
-    """Every layout of machine.gpus that pre-flight accepts (TP within a node), each
+    """Every candidate on machine.gpus that pre-flight accepts (TP within a node), in each
     recompute mode: fitting ones first, fastest first."""
     bf16 = cfg.train.precision != "fp32"  # auto is bf16 on a GPU
     estimates = []
-    for layout in layouts(cfg, machine, vocab_size, max_micro_batch, recompute):
-        estimates.append(estimate(cfg, layout, machine, vocab_size, bf16))
+    for candidate in candidates(cfg, machine, vocab_size, max_micro_batch, recompute):
+        estimates.append(estimate(cfg, candidate, machine, vocab_size, bf16))
     # equally fast (the model has no micro-batch efficiency): the larger micro-batch first
     # (bigger matmuls, fewer accumulation steps), then the leaner
     return sorted(
         estimates,
-        key=lambda e: (not e.fits, -e.tokens_per_s, -e.layout.micro_batch, e.memory.peak),
+        key=lambda e: (not e.fits, -e.tokens_per_s, -e.candidate.micro_batch, e.memory.peak),
     )
 
 
-def layouts(
+def candidates(
     cfg: Config,
     machine: Machine,
     vocab_size: int,
     max_micro_batch: int = 64,
     recompute: tuple[str, ...] = RECOMPUTE_MODES,
 ):
-    """Each layout of machine.gpus that belief-lm would run (pre-flight's rules)."""
+    """Each candidate on machine.gpus that belief-lm would run (pre-flight's rules)."""
     gpus = machine.gpus
     for tensor in _divisors(gpus):
         if tensor > machine.gpus_per_node or vocab_size % tensor:
@@ -197,101 +201,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# ---------------------------------------------------------------------------- parameters
-
-
-def stage_layers(num_layers: int, stages: int) -> list[int]:
-    """Decoder layers of each pipeline stage, as DeepSpeed's PipelineModule splits them
-    (partition_method type:DecoderLayer): as even as possible, the first stages taking
-    one more when they do not divide."""
-    base, extra = divmod(num_layers, stages)
-    return [base + (1 if s < extra else 0) for s in range(stages)]
-
-
-def layer_parameters(model: ModelConfig, tensor: int) -> int:
-    """One decoder layer's parameters on one tensor-parallel rank: the matmul weights
-    sharded, norms (and the biases of row-parallel outputs) replicated."""
-    hidden, ffn = model.hidden_size, model.ffn_size
-    norms = 2 * hidden * (2 if model.normalization == "LayerNorm" else 1)
-    params = layer_matmul_weights(model) // tensor + norms
-    if model.bias:
-        qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim
-        fc1 = ffn * (2 if model.activation == "swiglu" else 1)
-        params += (qkv + fc1) // tensor + 2 * hidden  # W^o's and fc2's biases replicated
-    return params
-
-
-def stage_parameters(model: ModelConfig, vocab_size: int, tensor: int, pipeline: int) -> list[int]:
-    """Parameters one tensor-parallel rank of each pipeline stage holds: its layers, the
-    embedding on the first stage, the final norm and output layer on the last (with tied
-    embeddings and a pipeline, the last stage holds its own copy of the embedding)."""
-    hidden = model.hidden_size
-    embedding = vocab_size // tensor * hidden
-    if model.position_embedding == "learned_absolute":
-        embedding += model.seq_length * hidden
-    head = hidden * (2 if model.normalization == "LayerNorm" else 1)
-    if not model.tie_embeddings or pipeline > 1:
-        head += vocab_size // tensor * hidden
-    per_layer = layer_parameters(model, tensor)
-    counts = [n * per_layer for n in stage_layers(model.num_layers, pipeline)]
-    counts[0] += embedding
-    counts[-1] += head
-    return counts
-
-
 # --------------------------------------------------------------------------- activations
 
 
 def layer_activations(model: ModelConfig, tensor: int, recompute: str, bf16: bool) -> float:
-    """Bytes per token one decoder layer keeps for backward on one tensor-parallel rank.
-
-    Counted from what autograd saves in this model (megatron's local layer spec with
-    FamilyCoreAttention; no sequence parallelism, so the norms' tensors are replicated):
-    RMSNorm keeps an fp32 copy of its input, its fp32 normalized value and its output
-    (torch's composite kernel; LayerNorm only its input and output), so the layer input
-    and the residual sum are kept through the norms; the QKV output (V is a view of it),
-    RoPE's rotated Q and K, the attention core's tensors, the MLP's (SwiGLU: fc1's output,
-    SiLU's, the product; GELU: fc1's and GELU's). Full recompute keeps the layer's input
-    only; selective keeps the core's inputs and output and drops what is inside it.
-    """
-    size = 2 if bf16 else 4
-    wide = 4 // size  # an fp32 copy in units of the model's dtype
-    hidden = model.hidden_size
-    if recompute == "full":
-        return hidden * size
-    q = model.num_attention_heads // tensor * model.head_dim
-    kv = model.query_groups // tensor * model.head_dim
-    rms = model.normalization == "RMSNorm"
-    norms = 2 * hidden * ((2 * wide + 1) if rms else 2)
-    qkv = q + 2 * kv
-    rope = q + kv if model.position_embedding == "rope" else 0
-    core = _core_activations(model, q, recompute, wide)
-    ffn = model.ffn_size // tensor
-    mlp = (5 if model.activation == "swiglu" else 2) * ffn
-    fp32_small = model.num_attention_heads // tensor + (2 if rms else 4)  # lse, norm stats
-    return (norms + qkv + rope + core + mlp) * size + 4 * fp32_small
-
-
-def _core_activations(model: ModelConfig, q: int, recompute: str, wide: int) -> float:
-    """Elements per token FamilyCoreAttention keeps beyond its inputs (Q, K, V): SDPA's
-    output (flash kernels keep no score matrix) and the variant's residual signal; with
-    selective recompute only the output it returns."""
-    variant = model.attention
-    output = 2 * q if model.variant.extra_projection else q
-    if recompute == "selective":
-        return output
-    extra = {
-        # belief: V per head and Δ; in bf16 the inner products' fp32 copies of MH and V
-        # (twice V: _inner_products and _remove_component each widen it) instead of V
-        "belief": (2 if wide == 1 else 3 * wide + 1) * q,
-        # belief_star: the same for the global and the per-head projection, and the
-        # concatenated [Δ, Δ^s] that W^o and W^s read
-        "belief_star": (3 if wide == 1 else 6 * wide + 2) * q,
-        "attentionx": q,  # Φ = γV - H
-        # recentred queries are a new tensor where RoPE's are not already one
-        "attention_bn": q if model.position_embedding != "rope" else 0,
-    }.get(variant, 0)
-    return q + extra
+    """Bytes per token one decoder layer keeps for backward on one tensor-parallel rank
+    under `recompute`: the description's kept tensors (belief_lm.description.layer_saved)
+    that the mode keeps. Full recompute keeps the layer's input only; selective keeps the
+    attention core's inputs and output and drops what is inside it."""
+    saved = layer_saved(model, tensor, bf16)
+    return sum(entry.bytes(bf16) for entry in saved if recompute in entry.kept_under)
 
 
 def head_activations(
@@ -301,13 +220,12 @@ def head_activations(
     the loss's fp32 softmax over this rank's vocabulary (megatron's vocab-parallel cross
     entropy works in place on the fp32 logits; bf16 logits are dropped once copied). The
     chunked loss (train.loss_chunk_tokens) keeps no logits: the labels (int64) instead."""
-    size = 2 if bf16 else 4
-    norm = model.hidden_size * ((2 * (4 // size) + 1) if model.normalization == "RMSNorm" else 2)
-    return norm * size + (8 if chunked_loss else vocab_size // tensor * 4)
+    norm = sum(entry.bytes(bf16) for entry in norm_saved(model, "final_norm"))
+    return norm + (8 if chunked_loss else vocab_size // tensor * 4)
 
 
 def loss_backward_bytes(
-    model: ModelConfig, vocab_size: int, layout: Candidate, bf16: bool, chunk_tokens: int
+    model: ModelConfig, vocab_size: int, candidate: Candidate, bf16: bool, chunk_tokens: int
 ) -> float:
     """What the loss's backward allocates beyond head_activations, before the output
     weight's gradient: in bf16 the logits' gradient (the fp32 softmax's, cast). Chunked: one
@@ -315,8 +233,8 @@ def loss_backward_bytes(
     and cast), the hidden states' gradient of every chunk (concatenated after the last), and
     the output weight's gradient summed over the chunks beside the chunk's own."""
     size = 2 if bf16 else 4
-    tokens = layout.micro_batch * model.seq_length
-    rows = vocab_size // layout.tensor
+    tokens = candidate.micro_batch * model.seq_length
+    rows = vocab_size // candidate.tensor
     if not chunk_tokens:
         return tokens * rows * 2 if bf16 else 0.0
     logits = min(chunk_tokens, tokens) * rows * (size + 4 if bf16 else 4)
@@ -327,26 +245,27 @@ def loss_backward_bytes(
 
 
 def memory(
-    cfg: Config, layout: Candidate, vocab_size: int, bf16: bool, stage: int | None = None
+    cfg: Config, candidate: Candidate, vocab_size: int, bf16: bool, stage: int | None = None
 ) -> Memory:
     """Peak bytes on one GPU of `stage` (None: the most loaded stage)."""
     if stage is None:
-        stages = [memory(cfg, layout, vocab_size, bf16, s) for s in range(layout.pipeline)]
+        stages = [memory(cfg, candidate, vocab_size, bf16, s) for s in range(candidate.pipeline)]
         return max(stages, key=lambda m: m.peak)
     model = cfg.model
-    params = stage_parameters(model, vocab_size, layout.tensor, layout.pipeline)[stage]
-    layers = stage_layers(model.num_layers, layout.pipeline)[stage]
-    tokens = layout.micro_batch * model.seq_length
-    last = stage == layout.pipeline - 1
+    description = describe(model, vocab_size)
+    params = description.stage_parameters(stage, candidate.tensor, candidate.pipeline)
+    layers = stage_layers(model.num_layers, candidate.pipeline)[stage]
+    tokens = candidate.micro_batch * model.seq_length
+    last = stage == candidate.pipeline - 1
     # 1F1B: stage s holds the activations of up to (stages - s) micro-batches
-    in_flight = min(layout.pipeline - stage, layout.accumulation)
-    per_layer = layer_activations(model, layout.tensor, layout.recompute, bf16)
+    in_flight = min(candidate.pipeline - stage, candidate.accumulation)
+    per_layer = layer_activations(model, candidate.tensor, candidate.recompute, bf16)
     layer_activation = in_flight * tokens * layers * per_layer
     chunk = cfg.train.loss_chunk_tokens
     head = 0.0
     if last:
-        head = tokens * head_activations(model, vocab_size, layout.tensor, bf16, chunk > 0)
-    if last and layout.pipeline > 1:
+        head = tokens * head_activations(model, vocab_size, candidate.tensor, bf16, chunk > 0)
+    if last and candidate.pipeline > 1:
         # DeepSpeed's pipeline engine keeps each stage's outputs in its pipe buffers, two
         # on the last stage: the logits of this micro-batch and of the one before; with
         # the chunked loss the final norm's output and the output weight, of which only
@@ -355,34 +274,34 @@ def memory(
         if chunk:
             head += tokens * model.hidden_size * size
         else:
-            head += 2 * tokens * vocab_size // layout.tensor * size
-    largest = _largest_tensor(model, vocab_size, layout.tensor)
-    state = _optimizer_state(params, layout, bf16, largest)
+            head += 2 * tokens * vocab_size // candidate.tensor * size
+    largest = description.largest_shard(candidate.tensor)
+    state = _optimizer_state(params, candidate, bf16, largest)
     held = (
         state.resident
-        + (state.accumulated_grads if layout.accumulation > 1 else 0.0)
+        + (state.accumulated_grads if candidate.accumulation > 1 else 0.0)
         + state.backward_buffers
         + layer_activation
     )
     # backward starts with the loss (loss_backward_bytes), then the output layer's weight
     # gradient (ZeRO 1-2 copy it into their bucket, allocated before it)
     weight_grad = 0.0
-    if last and layout.zero_stage in (0, 3):
-        weight_grad = vocab_size // layout.tensor * model.hidden_size * state.grad_bytes
-    loss = loss_backward_bytes(model, vocab_size, layout, bf16, chunk) if last else 0.0
+    if last and candidate.zero_stage in (0, 3):
+        weight_grad = vocab_size // candidate.tensor * model.hidden_size * state.grad_bytes
+    loss = loss_backward_bytes(model, vocab_size, candidate, bf16, chunk) if last else 0.0
     backward = held + head + loss + weight_grad
     # recompute then rebuilds one layer's (or attention core's) tensors at a time, the
     # loss's already freed
     transient = 0.0
-    if layout.recompute != "none":
-        whole = layer_activations(model, layout.tensor, "none", bf16)
+    if candidate.recompute != "none":
+        whole = layer_activations(model, candidate.tensor, "none", bf16)
         transient = tokens * (whole - per_layer)
         backward = max(backward, held + transient + weight_grad)
     # backward ends with every gradient and, for a tied embedding in one stage, two more
     # of its size: the embedding's own gradient and its sum with the output layer's
     tied = 0.0
-    if model.tie_embeddings and layout.pipeline == 1 and layout.zero_stage < 3:
-        tied = 2 * vocab_size // layout.tensor * model.hidden_size * state.grad_bytes
+    if model.tie_embeddings and candidate.pipeline == 1 and candidate.zero_stage < 3:
+        tied = 2 * vocab_size // candidate.tensor * model.hidden_size * state.grad_bytes
     autograd_end = state.resident + state.backward_buffers + state.autograd_grads + tied
     peak = max(backward, autograd_end, state.end_of_backward, state.step, state.startup)
     return Memory(
@@ -397,12 +316,6 @@ def memory(
         recomputed=transient,
         peak=peak,
     )
-
-
-def _largest_tensor(model: ModelConfig, vocab_size: int, tensor: int) -> int:
-    """Elements of the largest parameter on a rank (for per-tensor optimizer temporaries)."""
-    ffn = model.ffn_size * (2 if model.activation == "swiglu" else 1)
-    return max(vocab_size // tensor * model.hidden_size, ffn // tensor * model.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -429,7 +342,7 @@ class _State:
     startup: float
 
 
-def _optimizer_state(params: int, layout: Candidate, bf16: bool, largest: int) -> _State:
+def _optimizer_state(params: int, candidate: Candidate, bf16: bool, largest: int) -> _State:
     """DeepSpeed 0.19's engines, as their code allocates and bench/memory.py measured:
 
     - ZeRO-0, fp32: the torch optimizer on the module's parameters: fp32 gradients and
@@ -448,12 +361,12 @@ def _optimizer_state(params: int, layout: Candidate, bf16: bool, largest: int) -
     The optimizer step (torch AdamW, for_loop) takes temporaries of about three fp32
     copies of the tensor it updates (the flat partition from ZeRO-1), twice the largest
     parameter at ZeRO-0."""
-    data, zero = layout.data, layout.zero_stage
+    data, zero = candidate.data, candidate.zero_stage
     size = 2 if bf16 else 4
     weights = params * size
     bucket = REDUCE_BUCKET_ELEMENTS * size
     flat = size * min(params, ALLREDUCE_BUCKET_ELEMENTS)
-    if zero == 0 and (not bf16 or layout.pipeline == 1):
+    if zero == 0 and (not bf16 or candidate.pipeline == 1):
         grads = float(size * params)
         # fp32: Adam's moments; bf16 (unfused fp16 optimizer): an fp32 copy too
         opt = (8.0 if not bf16 else 12.0) * params
@@ -483,7 +396,7 @@ def _optimizer_state(params: int, layout: Candidate, bf16: bool, largest: int) -
         grads = size * partition  # the reduced partition, in the model's dtype
         resident = weights + opt
         # under a pipeline the gradient reduction allocates a second bucket of its own
-        buckets = bucket * (2 if layout.pipeline > 1 else 1)
+        buckets = bucket * (2 if candidate.pipeline > 1 else 1)
         # ZeRO-1 stages every gradient during backward, ZeRO-2 only its partition's
         staged = size * params if zero == 1 else grads
         return _State(
@@ -509,19 +422,19 @@ def _optimizer_state(params: int, layout: Candidate, bf16: bool, largest: int) -
 
 
 def estimate(
-    cfg: Config, layout: Candidate, machine: Machine, vocab_size: int, bf16: bool
+    cfg: Config, candidate: Candidate, machine: Machine, vocab_size: int, bf16: bool
 ) -> Estimate:
-    """Memory and step time of one layout."""
-    mem = memory(cfg, layout, vocab_size, bf16)
-    compute, communication = step_time(cfg, layout, machine, vocab_size, bf16)
+    """Memory and step time of one candidate."""
+    mem = memory(cfg, candidate, vocab_size, bf16)
+    compute, communication = step_time(cfg, candidate, machine, vocab_size, bf16)
     seconds = compute + communication
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     fits = mem.peak + machine.reserve_gb * GB <= machine.memory_gb * GB
-    return Estimate(layout, mem, fits, seconds, compute, communication, tokens / seconds)
+    return Estimate(candidate, mem, fits, seconds, compute, communication, tokens / seconds)
 
 
 def step_time(
-    cfg: Config, layout: Candidate, machine: Machine, vocab_size: int, bf16: bool
+    cfg: Config, candidate: Candidate, machine: Machine, vocab_size: int, bf16: bool
 ) -> tuple[float, float]:
     """(compute, communication) seconds of one optimizer step on every GPU.
 
@@ -538,40 +451,41 @@ def step_time(
     """
     model = cfg.model
     size = 2 if bf16 else 4
-    gpus = layout.tensor * layout.pipeline * layout.data
+    gpus = candidate.tensor * candidate.pipeline * candidate.data
     tokens = cfg.train.global_batch_size * model.seq_length
     flops = tokens * (
         flops_per_token(model, vocab_size)
-        + recompute_flops_per_token(model, layout.recompute)
+        + recompute_flops_per_token(model, candidate.recompute)
         + loss_recompute_flops_per_token(model, vocab_size, cfg.train.loss_chunk_tokens)
     )
-    micro = layout.accumulation
-    bubble = (micro + layout.pipeline - 1) / micro
+    micro = candidate.accumulation
+    bubble = (micro + candidate.pipeline - 1) / micro
     compute = flops / gpus / (machine.peak_tflops * 1e12 * machine.mfu) * bubble
 
     per_node = machine.gpus_per_node
     within = machine.bandwidth_gbs * GB
     across = machine.inter_node_bandwidth_gbs * GB
-    activation = layout.micro_batch * model.seq_length * model.hidden_size * size
-    layers = stage_layers(model.num_layers, layout.pipeline)[0]
+    activation = candidate.micro_batch * model.seq_length * model.hidden_size * size
+    layers = stage_layers(model.num_layers, candidate.pipeline)[0]
     tp = 0.0
-    if layout.tensor > 1:
-        per_layer = 6 if layout.recompute == "full" else 4
+    if candidate.tensor > 1:
+        per_layer = 6 if candidate.recompute == "full" else 4
         belief = model.variant.projects_onto_values
-        small = layout.micro_batch * model.seq_length * 2 * 4 if belief else 0
+        small = candidate.micro_batch * model.seq_length * 2 * 4 if belief else 0
         volume = layers * (per_layer * activation + 2 * small) + 2 * activation  # + embedding
-        tp = micro * _all_reduce(volume, layout.tensor, within)
+        tp = micro * _all_reduce(volume, candidate.tensor, within)
     dp = 0.0
-    if layout.data > 1:
-        params = max(stage_parameters(model, vocab_size, layout.tensor, layout.pipeline))
+    if candidate.data > 1:
+        description = describe(model, vocab_size)
+        params = max(description.rank_parameters(candidate.tensor, candidate.pipeline))
         grads = params * size
-        bandwidth = within if layout.tensor * layout.data <= per_node else across
-        share = (layout.data - 1) / layout.data
+        bandwidth = within if candidate.tensor * candidate.data <= per_node else across
+        share = (candidate.data - 1) / candidate.data
         # reduce-scatter + all-gather: an all-reduce's volume, once per step
-        times = {0: 2.0, 1: 2.0, 2: micro + 1.0, 3: 3.0 * micro}[layout.zero_stage]
+        times = {0: 2.0, 1: 2.0, 2: micro + 1.0, 3: 3.0 * micro}[candidate.zero_stage]
         dp = times * share * grads / bandwidth
     pp = 0.0
-    if layout.pipeline > 1:
+    if candidate.pipeline > 1:
         bandwidth = within if gpus <= per_node else across
         pp = 2 * micro * activation / bandwidth
     return compute, tp + dp + pp
@@ -586,7 +500,7 @@ def _all_reduce(volume: float, ranks: int, bandwidth: float) -> float:
 
 
 def table(estimates: list[Estimate], top: int) -> str:
-    """The best `top` layouts that fit, as a text table (GB are 10^9 bytes): one row per
+    """The best `top` candidates that fit, as a text table (GB are 10^9 bytes): one row per
     split and recompute mode, at its best micro-batch (the first in `estimates`' order)."""
     header = (
         f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'ZeRO':>4} {'micro':>5} {'accum':>5} "
@@ -595,15 +509,15 @@ def table(estimates: list[Estimate], top: int) -> str:
     )
     lines, best = [header], {}
     for e in estimates:
-        lay = e.layout
-        key = (lay.tensor, lay.pipeline, lay.data, lay.zero_stage, lay.recompute)
+        c = e.candidate
+        key = (c.tensor, c.pipeline, c.data, c.zero_stage, c.recompute)
         if e.fits and key not in best:
             best[key] = e
     for rank, e in enumerate(list(best.values())[:top], start=1):
-        lay, mem = e.layout, e.memory
+        c, mem = e.candidate, e.memory
         lines.append(
-            f"{rank:>3} {lay.tensor:>3} {lay.pipeline:>3} {lay.data:>4} {lay.zero_stage:>4} "
-            f"{lay.micro_batch:>5} {lay.accumulation:>5} {lay.recompute:>9} "
+            f"{rank:>3} {c.tensor:>3} {c.pipeline:>3} {c.data:>4} {c.zero_stage:>4} "
+            f"{c.micro_batch:>5} {c.accumulation:>5} {c.recompute:>9} "
             f"{mem.weights / GB:>7.2f} {mem.gradients / GB:>6.2f} {mem.optimizer / GB:>6.2f} "
             f"{mem.buffers / GB:>7.2f} {(mem.activations + mem.recomputed) / GB:>6.2f} "
             f"{mem.peak / GB:>7.2f} {e.step_time_s:>7.2f} {e.tokens_per_s:>10,.0f}"

@@ -29,6 +29,7 @@ from belief_lm.checkpoint.files import (
     step_dirs,
 )
 from belief_lm.config import Config
+from belief_lm.errors import BadInput
 from belief_lm.parallel.dims import ParallelDims
 
 RUNTIME_ONLY = {
@@ -45,6 +46,8 @@ class ResumeFrom:
     path: Path
     info: CheckpointInfo
     other_layout: bool
+    trusted: bool = False
+    """Whether files beyond what a checkpoint may hold are loaded (checkpoint.trust)."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class Preflight:
 
 def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> Preflight:
     """Check `cfg` for a job of `world_size` processes on `device_type` ('cuda', 'cpu', or
-    None when not known yet, as at submission). Raises ValueError (CheckpointError for the
+    None when not known yet, as at submission). Raises BadInput (CheckpointError for the
     checkpoint) naming the options to change."""
     dims, accumulation = check_layout(cfg, world_size)
     check_eval_tasks(cfg)
@@ -72,7 +75,7 @@ def preflight(cfg: Config, world_size: int, device_type: str | None = None) -> P
 
 def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, int]:
     """The layout's checks: parallel sizes, engine limits, head split, batch and readers.
-    Returns the layout's numbers and the accumulation steps; raises ValueError naming the
+    Returns the layout's numbers and the accumulation steps; raises BadInput naming the
     options to change. (`belief-lm plan` asks this of every layout it considers.)"""
     check_engine_settings(cfg)  # the config alone first, then against the job's size
     dims = ParallelDims(world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
@@ -90,7 +93,7 @@ def grad_accumulation_steps(cfg: Config, data_parallel: int) -> int:
         micro = [
             m for m in range(1, batch // data_parallel + 1) if batch % (m * data_parallel) == 0
         ]
-        raise ValueError(
+        raise BadInput(
             f"train.global_batch_size ({batch}) must be a multiple of "
             f"train.micro_batch_size ({cfg.train.micro_batch_size}) x data-parallel size "
             f"({data_parallel}); micro-batch sizes that work here: "
@@ -106,10 +109,10 @@ def check_readers(cfg: Config, data_parallel: int) -> None:
     batch = cfg.train.global_batch_size
     count = cfg.data.readers_for(batch)
     if batch % count:
-        raise ValueError(f"data.readers ({count}) must divide train.global_batch_size ({batch})")
+        raise BadInput(f"data.readers ({count}) must divide train.global_batch_size ({batch})")
     if count % data_parallel:
         sizes = [d for d in range(1, count + 1) if count % d == 0]
-        raise ValueError(
+        raise BadInput(
             f"the data-parallel size ({data_parallel}) must divide the run's {count} data "
             f"readers (data.readers); data-parallel sizes that work: "
             f"{', '.join(map(str, sizes))}"
@@ -120,27 +123,27 @@ def check_engine_settings(cfg: Config) -> None:
     """Combinations DeepSpeed or the model cannot run, refused before any work."""
     parallel, model = cfg.parallel, cfg.model
     if parallel.pipeline > 1 and parallel.zero_stage > 1:
-        raise ValueError(
+        raise BadInput(
             f"parallel.zero_stage={parallel.zero_stage} cannot be combined with "
             f"parallel.pipeline={parallel.pipeline}: DeepSpeed's pipeline engine "
             "supports ZeRO stage 0 or 1"
         )
     if parallel.pipeline > 1 and cfg.train.spike.action == "skip":
-        raise ValueError(
+        raise BadInput(
             f"train.spike.action=skip cannot be combined with parallel.pipeline="
             f"{parallel.pipeline}: DeepSpeed's pipeline engine applies the update inside "
             "train_batch, and the step's loss leaves the last stage only after it, so a "
             "spike cannot be kept from the weights; use action log or stop"
         )
     if model.compile == "layer" and parallel.zero_stage == 3:
-        raise ValueError(
+        raise BadInput(
             f"model.compile={model.compile} cannot be combined with parallel.zero_stage=3: "
             "ZeRO-3 gathers each module's weights in hooks around its forward, and "
             "torch.compile traces the layer with the weights still partitioned (empty); "
             "use ZeRO stage 0-2 or model.compile=none"
         )
     if parallel.pipeline > model.num_layers:
-        raise ValueError(
+        raise BadInput(
             f"parallel.pipeline ({parallel.pipeline}) exceeds model.num_layers "
             f"({model.num_layers}): every stage needs a decoder layer"
         )
@@ -152,7 +155,7 @@ def check_tensor_split(cfg: Config) -> None:
     for name, count in (("num_attention_heads", model.num_attention_heads),
                         ("query groups (num_query_groups)", model.query_groups)):  # fmt: skip
         if count % parallel.tensor:
-            raise ValueError(
+            raise BadInput(
                 f"model.{name} ({count}) is not divisible by parallel.tensor "
                 f"({parallel.tensor}): heads are split over tensor-parallel ranks"
             )
@@ -166,19 +169,19 @@ def check_eval_tasks(cfg: Config) -> None:
     try:
         import lm_eval  # noqa: F401  (cheap: lm-eval imports its parts lazily)
     except ImportError:
-        raise ValueError(
+        raise BadInput(
             "train.eval_tasks needs lm-evaluation-harness, which is not installed: "
             "pip install 'belief-lm[eval]'"
         ) from None
     for task in cfg.train.eval_tasks:
         if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
-            raise ValueError(f"train.eval_tasks: task file {task} does not exist")
+            raise BadInput(f"train.eval_tasks: task file {task} does not exist")
 
 
 def check_wandb(cfg: Config) -> None:
     """run.wandb needs Weights & Biases (the `wandb` extra); looked up, not imported."""
     if cfg.run.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise ValueError(
+        raise BadInput(
             f"run.wandb.mode={cfg.run.wandb.mode} needs Weights & Biases, which is not "
             "installed: pip install 'belief-lm[wandb]' (or run.wandb.mode=disabled)"
         )
@@ -187,7 +190,7 @@ def check_wandb(cfg: Config) -> None:
 def use_bf16(precision: str, device_type: str) -> bool:
     """Resolve train.precision on a device kind (auto: bf16 on GPU, fp32 on CPU)."""
     if precision == "bf16" and device_type != "cuda":
-        raise ValueError("train.precision=bf16 needs a GPU; use fp32 or auto on CPU")
+        raise BadInput("train.precision=bf16 needs a GPU; use fp32 or auto on CPU")
     return precision == "bf16" or (precision == "auto" and device_type == "cuda")
 
 
@@ -224,8 +227,9 @@ def resume_from(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) ->
             raise damaged(path, found)
     info = read_info(path)
     check_same_run(cfg, path)
+    trusted = cfg.checkpoint.trust
     if info.weights_only:  # weights alone (an import): any layout loads them, nothing else
-        return ResumeFrom(path, info, other_layout=False)
+        return ResumeFrom(path, info, other_layout=False, trusted=trusted)
     zero = cfg.parallel.zero_stage
     moved = (info.tensor, info.pipeline, info.zero_stage) != (dims.tensor, dims.pipeline, zero)
     # ZeRO 1-3 partition the optimizer (and more) over the data-parallel ranks
@@ -237,15 +241,18 @@ def resume_from(cfg: Config, dims: ParallelDims, skip: Collection[Path] = ()) ->
             f"checkpoints, which need ZeRO stage 1 or 2 on both sides "
             f"(parallel.zero_stage={cfg.parallel.zero_stage})"
         )
-    return ResumeFrom(path, info, other_layout)
+    return ResumeFrom(path, info, other_layout, trusted)
 
 
 def check_same_run(cfg: Config, path: Path) -> None:
     """The model and data sections must be the ones checkpoint `path` was trained with."""
     try:
         saved = yaml.safe_load((path / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError) as err:
+    except (OSError, ValueError, yaml.YAMLError) as err:  # ValueError: not UTF-8
         raise CheckpointError(f"checkpoint {path}: unreadable config.yaml ({err})") from None
+    sections = ("model", "data", "train")
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(s, {}), dict) for s in sections):
+        raise CheckpointError(f"checkpoint {path}: config.yaml is not a belief-lm config")
     current = cfg.model_dump(mode="json")
     for section in ("model", "data"):
         old = saved.get(section, {})

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from belief_lm.errors import BadInput
 
 REPORT = "report.png"
 """The figure of one run, in its directory (unless --out)."""
@@ -52,23 +55,43 @@ class Run:
         return self.path.resolve().name
 
 
+log = logging.getLogger("belief_lm.report")
+
+
 def read_jsonl(path: Path) -> list[dict]:
+    """The rows (JSON objects with an integer step) of `path`; a line that is none (cut
+    short by a crash in the middle of a write, or not ours) is skipped with a warning."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, skipped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            row = "unreadable"
+        if isinstance(row, dict) and type(row.get("step")) is int:
+            rows.append(row)
+        elif row is not None:
+            skipped += 1
+    if skipped:
+        log.warning("%s: skipped %d line(s) that are no row (cut short or not ours)", path, skipped)
+    return rows
 
 
 def load_run(path: str | Path) -> Run:
-    """Read a run directory; ValueError if it is none or has no training metrics."""
+    """Read a run directory; BadInput if it is none or has no training metrics."""
     path = Path(path)
     if not (path / "config.yaml").is_file():
-        raise ValueError(f"{path}: not a run directory (no config.yaml)")
+        raise BadInput(f"{path}: not a run directory (no config.yaml)")
     rows = read_jsonl(path / "metrics.jsonl")
     train = [r for r in rows if r.get("loss") is not None or "tokens_per_s" in r]
     if not train:
-        raise ValueError(f"{path}: no training metrics (metrics.jsonl) to report")
-    config = yaml.safe_load((path / "config.yaml").read_text())
-    tokens = config["train"]["global_batch_size"] * config["model"]["seq_length"]
+        raise BadInput(f"{path}: no training metrics (metrics.jsonl) to report")
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text())
+        tokens = int(config["train"]["global_batch_size"] * config["model"]["seq_length"])
+    except (ValueError, TypeError, KeyError, yaml.YAMLError) as err:
+        raise BadInput(f"{path / 'config.yaml'}: not a run's config ({err!r})") from None
     restarts = [b["step"] for a, b in itertools.pairwise(train) if b["step"] <= a["step"]]
     return Run(
         path=path, train=train, val=[r for r in rows if "val_loss" in r],
@@ -153,9 +176,9 @@ def _number(value: float | None) -> str:
 
 def report(run_dirs: list[str], out: str | None = None) -> str:
     """Plot `run_dirs` (one: RUN_DIR/report.png unless `out`; several: overlaid into
-    `out`) and return the summary text. ValueError for what the user must fix."""
+    `out`) and return the summary text. BadInput for what the user must fix."""
     if len(run_dirs) > 1 and out is None:
-        raise ValueError("several run directories are overlaid into one figure: give --out FILE")
+        raise BadInput("several run directories are overlaid into one figure: give --out FILE")
     runs = [load_run(path) for path in run_dirs]
     target = Path(out) if out is not None else runs[0].path / REPORT
     plot(runs, target)
@@ -168,7 +191,7 @@ def plot(runs: list[Run], out: Path) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise ValueError(
+        raise BadInput(
             "belief-lm report needs matplotlib, which is not installed: "
             "pip install 'belief-lm[report]'"
         ) from None

@@ -14,7 +14,11 @@ belief-lm's Checkpointer to the local disk (each file synced before it counts). 
 - verify: every file checked against the manifest by size (a stat each), and read through
   for its CRC-32 on 1 and 4 threads (the page cache holds the files just written: a cold
   read is the disk's);
-- load: DeepSpeed's load_checkpoint of it into the engine (warm page cache);
+- load: DeepSpeed's load_checkpoint of it into the engine (warm page cache; every file
+  read weights-only, belief_lm/checkpoint/loading.py);
+- loading's cost: the check of every file's pickle against the allow-list
+  (loading.refusals, what a resume and `checkpoint verify` add), and every file read once
+  weights-only (loading.load) against once with plain pickle, side by side (warm cache);
 - async: the time `save(wait=False)` takes (the copy to host memory: the stall training
   takes; the first save also allocates the host buffers the later ones reuse), then the
   steps trained while the thread writes, until the poll after a step publishes it: the
@@ -126,6 +130,7 @@ def worker(model: str, out: Path, scratch: Path) -> None:
     root = scratch / model
     sync = Checkpointer(engine, root / "sync", keep=1)
     saves, loads, verifies = [], [], {"sizes": [], "crc32_1_thread": [], "crc32_4_threads": []}
+    reads: dict[str, list[float]] = {"pickle_check": [], "weights_only": [], "pickle": []}
     for n in range(1, REPEATS + 1):
         started = time.perf_counter()
         path = sync.save(info(n), {"rng": rng_state()}, extra, {})
@@ -138,6 +143,8 @@ def worker(model: str, out: Path, scratch: Path) -> None:
         started = time.perf_counter()
         engine.load_checkpoint(str(path.parent), tag=path.name)
         loads.append(time.perf_counter() - started)
+        for name, seconds in read_every_file(path).items():
+            reads[name].append(seconds)
         print(f"  sync save {saves[-1]:.1f} s, load {loads[-1]:.1f} s, {rss_gb():.1f} GB "
               "resident", flush=True)  # fmt: skip
     records = manifest.read_manifest(path)
@@ -147,6 +154,7 @@ def worker(model: str, out: Path, scratch: Path) -> None:
         files=len(records), sync_save_s=statistics.median(saves),
         load_s=statistics.median(loads),
         verify_s={k: statistics.median(v) for k, v in verifies.items()},
+        read_s={k: statistics.median(v) for k, v in reads.items()},
     )  # fmt: skip
     record["sync_write_gbs"] = size / record["sync_save_s"] / 1e9
     shutil.rmtree(root / "sync")
@@ -182,6 +190,26 @@ def worker(model: str, out: Path, scratch: Path) -> None:
     record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     shutil.rmtree(root)
     out.write_text(json.dumps(record, indent=1))
+
+
+def read_every_file(path: Path) -> dict[str, float]:
+    """Seconds to check every torch file of checkpoint `path` against the allow-list, and
+    to read each once weights-only and once with plain pickle (the files are ours)."""
+    import torch
+
+    from belief_lm.checkpoint import loading
+
+    files = sorted(path.rglob("*.pt"))
+    started = time.perf_counter()
+    assert loading.refusals(path) == []
+    seconds = {"pickle_check": time.perf_counter() - started}
+    for name, read in (("weights_only", loading.load),
+                       ("pickle", lambda f: torch.load(f, weights_only=False))):  # fmt: skip
+        started = time.perf_counter()
+        for file in files:
+            read(file)
+        seconds[name] = time.perf_counter() - started
+    return seconds
 
 
 def measure(model: str, scratch: Path) -> dict:
@@ -275,6 +303,12 @@ def main() -> None:
         torch.device("cpu"),
     )
     print(table(results))
+    for r in results:
+        read = r["read_s"]
+        print(
+            f"{r['model']}: every file's pickle checked in {read['pickle_check'] * 1e3:.0f} ms; "
+            f"read weights-only {read['weights_only']:.2f} s, with pickle {read['pickle']:.2f} s"
+        )
     for name, row in projection["rows"].items():
         print(f"{name}: {row['checkpoint_gb']:.0f} GB, sync stall {row['sync_stall_s']:.0f} s, "
               f"async stall {row['async_stall_s']:.1f} s")  # fmt: skip

@@ -1,8 +1,11 @@
-"""What exact epochs cost on realistic document lengths: padding, and tokens read twice.
+"""What exact epochs cost on realistic document lengths: padding, tokens read twice, and
+how many documents feed each step.
 
     python bench/data_padding.py      # -> bench/results/data_padding_cpu.json
 
-One epoch of each case, on 8 data-parallel ranks (4 at 4 readers) without loader workers:
+One epoch of each case, on 8 data-parallel ranks (4 at 4 readers) without loader workers,
+with data.open_documents=8 (the default; the last cases again with 1, one document after
+another, for comparison):
   heavy-tailed  FineWeb-Edu-schema parquet of real prose with lognormal lengths (median 600
                 characters, sigma 1) and 3 documents of 40,000 characters (each longer than
                 one reader's share at 64 readers and more): 6,000 documents at 4, 16, 64
@@ -10,12 +13,17 @@ One epoch of each case, on 8 data-parallel ranks (4 at 4 readers) without loader
   embedded      README command 1's data: the embedded corpus, 16 readers of 128 tokens;
   source files  600 of Python's own standard-library modules as JSON lines (3 files): real
                 lengths with a long tail (median 7 KB, the longest 229 KB, several times a
-                unit's bytes at 64 readers), 64 readers of 32 tokens.
+                unit's bytes at 64 readers), 64 readers of 32 tokens;
+  long          bench/stream_vs_prepared.py's corpus of long documents (250 of prose,
+                lognormal around 4,500 characters: median about 9 windows of 128 tokens),
+                16 readers of 128 tokens.
 For each: the epoch's steps, its padding (label slots without a token; also over the
 steps before the tail), the slots without any token, the steps after the queue of units
-emptied (the tail, where readers share streams), and the tokens sentencepiece encoded per
+emptied (the tail, where readers share streams), the tokens sentencepiece encoded per
 token delivered in a window (readers that join a stream read its step whole, to find their
-windows in it).
+windows in it), the documents with a token in a step (mean, and the least over the epoch,
+over its tail and over all steps but its last 5%) and the share of a reader's windows that
+hold a token of the document its previous window held (repeats).
 """
 
 from __future__ import annotations
@@ -62,7 +70,8 @@ class CountingTokenizer(TimedTokenizer):
 
 def one_epoch(data, tokenizer, readers: int, seq_len: int) -> dict:
     """One epoch on RANKS data-parallel ranks (threads of this process, agreeing as the
-    trainer's ranks do), each reading its readers' streams itself."""
+    trainer's ranks do), each reading its readers' streams itself; one window per reader a
+    step."""
     from ranks import Ranks  # the tests' ranks in threads
 
     counting = CountingTokenizer(tokenizer)
@@ -82,6 +91,7 @@ def one_epoch(data, tokenizer, readers: int, seq_len: int) -> dict:
     return {
         "readers": readers,
         "seq_len": seq_len,
+        "open_documents": data.open_documents,
         "steps": steps,
         "padding_pct": round(100 * (1 - labels / (slots * seq_len)), 3),
         "padding_before_tail_pct": round(
@@ -91,7 +101,25 @@ def one_epoch(data, tokenizer, readers: int, seq_len: int) -> dict:
         "tail_steps": steps - tail,
         # a window of n tokens trains n - 1 labels
         "encoded_per_delivered_token": round(counting.tokens / (labels + slots - empty), 4),
+        **diversity(ranks.origins, tail),
         "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def diversity(origins: list, tail: int) -> dict:
+    """Documents per step and repeats (see the module docstring), from the windows'
+    origins; `tail`: the tail's first step."""
+    from corpora import documents_per_step, repeats
+
+    per_step, in_tail = documents_per_step(origins), documents_per_step(origins[tail:]) or [0]
+    windows = sum(bool(origin[5]) for step in origins[1:] for origin in step)
+    return {
+        "documents_per_step": round(sum(per_step) / len(per_step), 2),
+        "documents_per_step_min": min(per_step),
+        "documents_per_step_min_but_last_5pct": min(per_step[: len(per_step) * 19 // 20]),
+        "tail_documents_per_step": round(sum(in_tail) / len(in_tail), 2),
+        "tail_documents_per_step_min": min(in_tail),
+        "repeats_pct": round(100 * sum(repeats(origins)) / max(windows, 1), 2),
     }
 
 
@@ -116,7 +144,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/data_padding_cpu.json")
     parser.add_argument("--documents", type=int, default=6000)
     args = parser.parse_args()
-    from corpora import heavy_tailed_rows, write_parquet
+    from corpora import heavy_tailed_rows, long_document_rows, write_parquet
 
     from data_pipeline.build import build_tokenizer
     from data_pipeline.config import DataConfig
@@ -137,8 +165,6 @@ def main() -> None:
             case = one_epoch(data, tokenizer, readers, seq_len)
             cases.append({"corpus": "heavy-tailed", "documents": documents, **case})
             print(cases[-1], flush=True)
-    cases.append({"corpus": "embedded", **one_epoch(DataConfig(num_workers=0), tokenizer, 16, 128)})
-    print(cases[-1], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         write_source_files(Path(tmp), 600)
         data = DataConfig(
@@ -147,6 +173,19 @@ def main() -> None:
         )  # fmt: skip
         cases.append({"corpus": "source files", **one_epoch(data, tokenizer, 64, 32)})
         print(cases[-1], flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = long_document_rows(250, 4500)
+        for f in range(4):
+            write_parquet(Path(tmp) / f"{f:03d}.parquet", rows[f::4], 16)
+        long = DataConfig(
+            sources=[{"uri": f"{tmp}/*.parquet", "id_column": "id"}], num_workers=0,
+            validation_fraction=0.1,
+        )  # fmt: skip
+        for lanes in (8, 1):  # (1: one document after another, for comparison)
+            for name, data in (("embedded", DataConfig(num_workers=0)), ("long", long)):
+                data = data.model_copy(update={"open_documents": lanes})
+                cases.append({"corpus": name, **one_epoch(data, tokenizer, 16, 128)})
+                print(cases[-1], flush=True)
     result = {"documents": args.documents, "cases": cases}
     print(write_result(args.out, result, torch.device("cpu")))
 

@@ -1,6 +1,7 @@
 """What the data pipeline's start-up and schedule cost as readers and files grow.
 
     python bench/data_scale.py        # -> bench/results/data_scale_cpu.json
+    python bench/data_scale.py --open-documents 8 1   # and each case with one lane, in turn
 
 For 64, 512 and 2,048 logical readers over 100 and 2,000 FineWeb-Edu-schema parquet files
 (40 rows each, lognormal lengths around 600 characters), each case in a process of its own
@@ -16,7 +17,9 @@ window per reader a step:
                 step (tokenizing excluded, as overhead_s);
   step_s        a later step (the median of 5), tokenizing included;
   epoch_turn_s  a new epoch's order and first deal (SourceDeal.begin) on the run's schedule;
-  peak_rss_mb   the process's largest resident memory; state_kb, the data state's size.
+  peak_rss_mb   the process's largest resident memory; state_kb, the data state's size;
+                report_kb, the integers summed over the ranks each step (positions and
+                counts), as int64.
 """
 
 from __future__ import annotations
@@ -83,14 +86,15 @@ class TimedTokenizer:
             self.seconds += time.perf_counter() - started
 
 
-def measure(folder: Path, readers: int, cache: str) -> dict:
+def measure(folder: Path, readers: int, cache: str, open_documents: int) -> dict:
     """One case, in this process (see the module docstring)."""
     from data_pipeline.build import build_tokenizer, build_train_data, check_data
     from data_pipeline.config import DataConfig
+    from data_pipeline.loader import report_length
 
     data = DataConfig(
         sources=[{"uri": f"{folder}/*.parquet", "id_column": "id"}], readers=readers,
-        num_workers=0,
+        num_workers=0, open_documents=open_documents,
     )  # fmt: skip
     tokenizer = TimedTokenizer(build_tokenizer(DataConfig(), cache))
     cpu = torch.device("cpu")
@@ -140,6 +144,8 @@ def measure(folder: Path, readers: int, cache: str) -> dict:
         "epoch_turn_s": round(turn, 4),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "state_kb": round(len(buffer.getvalue()) / 1024, 1),
+        "report_kb": round(report_length(train.schedule) * 8 / 1024, 1),
+        "open_documents": data.open_documents,
     }
 
 
@@ -148,11 +154,15 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/data_scale_cpu.json")
     parser.add_argument("--readers", type=int, nargs="+", default=list(READERS))
     parser.add_argument("--files", type=int, nargs="+", default=list(FILES))
-    parser.add_argument("--case", nargs=3, help=argparse.SUPPRESS)  # FOLDER READERS CACHE
+    parser.add_argument(
+        "--open-documents", type=int, nargs="+", default=[8],
+        help="data.open_documents of each case (several: each case once per value, in turn)",
+    )  # fmt: skip
+    parser.add_argument("--case", nargs=4, help=argparse.SUPPRESS)  # FOLDER READERS CACHE LANES
     args = parser.parse_args()
     if args.case:
-        folder, readers, cache = args.case
-        print(json.dumps(measure(Path(folder), int(readers), cache)))
+        folder, readers, cache, lanes = args.case
+        print(json.dumps(measure(Path(folder), int(readers), cache, int(lanes))))
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,12 +170,14 @@ def main() -> None:
             folder = Path(tmp) / f"files{files}"
             write_corpus(folder, files)
             for readers in args.readers:
-                case = [sys.executable, __file__, "--case", str(folder), str(readers)]
-                done = subprocess.run(
-                    [*case, str(Path(tmp) / "cache")], capture_output=True, text=True, check=True
-                )
-                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-                print(rows[-1], flush=True)
+                for lanes in args.open_documents:
+                    case = [sys.executable, __file__, "--case", str(folder), str(readers)]
+                    done = subprocess.run(
+                        [*case, str(Path(tmp) / "cache"), str(lanes)], capture_output=True,
+                        text=True, check=True,
+                    )  # fmt: skip
+                    rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    print(rows[-1], flush=True)
     result = {"seq_len": SEQ_LEN, "rows_per_file": ROWS_PER_FILE, "cases": rows}
     print(write_result(args.out, result, torch.device("cpu")))
 

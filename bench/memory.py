@@ -131,19 +131,19 @@ def measure(case: dict, tries: int = 2) -> list[dict]:
 def predict(case: dict, measured: dict) -> dict:
     """belief_lm.plan's numbers for the case, its step time at the rates measured here."""
     cfg = load_config(f"configs/model/{case['model']}.yaml", overrides(case))
-    layout = plan.Candidate(
+    candidate = plan.Candidate(
         case["tensor"], case.get("pipeline", 1), case["data"], case["zero"],
         cfg.train.micro_batch_size, case["recompute"], case.get("accumulation", 1),
     )  # fmt: skip
     bf16 = case["precision"] == "bf16"
     vocab = cfg.model.vocab_size
-    memory = plan.memory(cfg, layout, vocab, bf16)
+    memory = plan.memory(cfg, candidate, vocab, bf16)
     machine = plan.Machine(
-        gpus=layout.tensor * layout.pipeline * layout.data, memory_gb=0, gpus_per_node=8,
+        gpus=candidate.tensor * candidate.pipeline * candidate.data, memory_gb=0, gpus_per_node=8,
         peak_tflops=measured["matmul_gflops"] / 1e3, mfu=1.0,
         bandwidth_gbs=measured["all_reduce_gbs"] or 1.0,
     )  # fmt: skip
-    compute, communication = plan.step_time(cfg, layout, machine, vocab, bf16)
+    compute, communication = plan.step_time(cfg, candidate, machine, vocab, bf16)
     return {
         "peak": memory.peak, "resident": memory.resident, "activations": memory.activations,
         "step_time_s": compute + communication, "compute_s": compute,

@@ -17,9 +17,11 @@ import torch
 from tqdm import tqdm
 
 from data_pipeline.config import DataConfig, SourceConfig
+from data_pipeline.errors import BadDataInput
 from data_pipeline.failures import DataFault
 from data_pipeline.loader import SINGLE, Collective, ReaderSlots, TrainData
 from data_pipeline.prepared import PreparedSource
+from data_pipeline.reading import DecodedGroups
 from data_pipeline.schedule import UNITS_PER_READER
 from data_pipeline.sources import Source, SourceError
 from data_pipeline.stream import (
@@ -35,11 +37,12 @@ from data_pipeline.stream import (
 from data_pipeline.tokenizer import Tokenizer, cached_copy, cached_tokenizer
 
 
-def open_source(cfg: SourceConfig) -> Source | PreparedSource:
-    """The Source (or PreparedSource, for 'prepared:DIR') of a source config; no I/O."""
+def open_source(cfg: SourceConfig, decoded: DecodedGroups | None = None) -> Source | PreparedSource:
+    """The Source (or PreparedSource, for 'prepared:DIR') of a source config; no I/O.
+    `decoded`: where a run's sources keep parquet row groups read in parts."""
     if cfg.uri.startswith("prepared:"):
         return PreparedSource(cfg)
-    return Source(cfg)
+    return Source(cfg, decoded)
 
 
 def check_data(data: DataConfig) -> None:
@@ -55,11 +58,11 @@ def check_data(data: DataConfig) -> None:
             source = open_source(cfg)
             source.check()
         except SourceError as err:
-            raise ValueError(f"data.sources.{i}.{err}") from None
+            raise BadDataInput(f"data.sources.{i}.{err}") from None
         if isinstance(source, Source):
             problem = _no_document(source, data)
             if problem:
-                raise ValueError(f"data.sources.{i}.uri: {problem}")
+                raise BadDataInput(f"data.sources.{i}.uri: {problem}")
 
 
 def _no_document(source: Source, data: DataConfig) -> str | None:
@@ -105,10 +108,10 @@ def build_tokenizer(
     if path is not None:
         path = Path(path).expanduser()
         if not path.is_file():
-            raise ValueError(f"data.tokenizer.path: no such file: {path}")
+            raise BadDataInput(f"data.tokenizer.path: no such file: {path}")
         tokenizer = Tokenizer(path)
         if trained_with is not None and tokenizer.sha256 != Tokenizer(trained_with).sha256:
-            raise ValueError(
+            raise BadDataInput(
                 f"data.tokenizer.path: {path} is not the tokenizer the checkpoint was trained "
                 f"with ({trained_with}): the same ids would stand for other pieces"
             )
@@ -134,7 +137,7 @@ def tokenizer_sample(data: DataConfig, progress: bool = True) -> Iterator[str]:
         for i, (cfg, weight) in enumerate(zip(data.sources, weights, strict=True)):
             source = open_source(cfg)
             if isinstance(source, PreparedSource):
-                raise ValueError(f"{cfg.uri}: prepared data has no text to train a tokenizer on")
+                raise BadDataInput(f"{cfg.uri}: prepared data has no text to train a tokenizer on")
             settings = _settings(data, 1, "train", readers=1)
             units = source.units()
             reader = DocumentReader(source, settings)
@@ -146,7 +149,7 @@ def tokenizer_sample(data: DataConfig, progress: bool = True) -> Iterator[str]:
                     bar.update()
                     yield doc.text
             except DataFault as err:
-                raise ValueError(f"data.sources.{i}: {err}") from None
+                raise BadDataInput(f"data.sources.{i}: {err}") from None
             problem = skip_problem(  # the whole source, if the sample took all of it
                 cfg.uri, reader.counts, data.max_skipped_fraction, data.skip_check_min_rows,
                 whole=taken < wanted,
@@ -157,7 +160,7 @@ def tokenizer_sample(data: DataConfig, progress: bool = True) -> Iterator[str]:
                     f"({_describe(reader.counts)})"
                 )
             if problem:
-                raise ValueError(f"data.sources.{i}: {problem}")
+                raise BadDataInput(f"data.sources.{i}: {problem}")
 
 
 def build_train_data(
@@ -175,6 +178,7 @@ def build_train_data(
     readers (default: one per sequence of the global batch), this rank's share of them."""
     readers = data.readers_for(global_batch_size)
     settings = _settings(data, seq_len + 1, "train", readers=readers)
+    settings = dataclasses.replace(settings, lanes=data.open_documents)
     if data.num_workers == 0:  # tokenizing in this process: sentencepiece's thread pool
         settings = dataclasses.replace(settings, threads=-1)
     sources = _open(data, tokenizer, settings)
@@ -185,6 +189,7 @@ def build_train_data(
         "global_batch_size": global_batch_size,
         "seq_len": seq_len,
         "seed": data.seed,
+        "open_documents": data.open_documents,
         "validation_fraction": data.validation_fraction,
         "sources": [s.uri for s in data.sources],
         "weights": [s.weight for s in data.sources],
@@ -251,8 +256,10 @@ def _settings(data: DataConfig, window: int, split: str, readers: int) -> Stream
 
 
 def _open(data: DataConfig, tokenizer: Tokenizer, settings: StreamSettings) -> list:
-    """The sources, prepared ones with megatron's indices built (before any worker)."""
-    sources = [open_source(cfg) for cfg in data.sources]
+    """The sources, prepared ones with megatron's indices built (before any worker); they
+    share one cache of decoded row groups."""
+    decoded = DecodedGroups()
+    sources = [open_source(cfg, decoded) for cfg in data.sources]
     for source in sources:
         if isinstance(source, PreparedSource):
             source.check_tokenizer(tokenizer)

@@ -93,6 +93,12 @@ class DataConfig(Section):
     global_batch_size / R sequences per step and served by whichever rank and worker the
     layout gives it; None: one per sequence of train.global_batch_size. Fixed for a run
     (a checkpoint records it): the data-parallel size of any later layout must divide it."""
+    open_documents: PositiveInt = 8
+    """Documents each logical reader's stream keeps open, drawing each window from one of
+    them by a seeded choice (never the previous window's while another has tokens): a
+    reader's consecutive windows come from different documents, and a document's windows
+    are spread over many steps, as when samples are shuffled; 1 reads one document after
+    another. Fixed for a run (a checkpoint records it)."""
     max_skipped_fraction: float = Field(0.01, ge=0, le=1)
     """Stop (saving the last step) when more than this share of a source's rows is
     unusable (corrupt, not UTF-8, empty, in a corrupt row group). Judged on the rows of all

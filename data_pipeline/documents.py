@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from data_pipeline.errors import BadDataInput
+
 SKIP_REASONS = ("corrupt", "not_utf8", "empty")
 """Why a row is unusable; each is counted separately."""
 
@@ -72,7 +74,7 @@ def parse_filter(text: str) -> Filter:
         column, sep, value = (part.strip() for part in text.partition(op))
         if sep and column and value and not set(column) & set("=!<>"):
             return Filter(column, op, yaml.safe_load(value))
-    raise ValueError(
+    raise BadDataInput(
         f"filter {text!r} is not 'COLUMN OP VALUE' with OP one of {' '.join(_OPERATORS)}"
     )
 

@@ -39,8 +39,9 @@ import fsspec.asyn
 import numpy as np
 import torch
 
+from data_pipeline.errors import BadDataInput
 from data_pipeline.failures import DataFault
-from data_pipeline.schedule import FIELDS, Schedule
+from data_pipeline.schedule import Schedule
 from data_pipeline.sources import Source
 from data_pipeline.stream import (
     SKIPPED,
@@ -59,25 +60,17 @@ IGNORE = -100
 """Label of a position that is not trained on (padding)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 COUNTED = ("rows", "documents", "filtered", "held_out", *SKIPPED, "tokens", "samples", "labels",
-           *UNIT_TALLIES)  # fmt: skip
+           "step_documents", *UNIT_TALLIES)  # fmt: skip
 """The per-source counts summed over the ranks each step (data health, the skip check, the
-padding: `labels` are the label slots that hold a token)."""
+padding: `labels` are the label slots that hold a token; `step_documents` the documents
+with a token in the step, counted per stream)."""
 HEALTH = COUNTED[: COUNTED.index("labels")]
 """The counts shown as data health (the rest serve the skip check and the padding)."""
 PADDING_WARNING = 0.02
 """An epoch whose padding passes this share of its label slots is reported (a warning)."""
-STATE_FORMAT = 2
-"""Version of `state_dict`'s layout (1: per-reader shares, before the schedule)."""
-
-
-_SHUTDOWNS: list = []
-"""The shutdown events of this process's workers, set when it exits (see worker_init)."""
-
-
-@atexit.register  # runs before multiprocessing's own exit handler terminates the workers
-def _workers_may_stop() -> None:
-    for event in _SHUTDOWNS:
-        event.set()
+STATE_FORMAT = 3
+"""Version of `state_dict`'s layout (1: per-reader shares, before the schedule; 2: one
+document open per stream, before its lanes)."""
 
 
 def worker_init(shutdown, worker_id: int = 0) -> None:
@@ -158,7 +151,9 @@ class Block:
     windows: dict[int, list]
     """Per reader of the worker, its slots' windows in order (None: padding)."""
     origins: dict[int, list]
-    """Per reader, each slot's (source, epoch, stream, step, offset in the stream's step)."""
+    """Per reader, each slot's (source, epoch, stream, step, offset in the stream's step,
+    pieces): the window's pieces, ((unit, row) of a document, first token, tokens) each
+    (prepared data: ((document,), ...))."""
     reports: list[dict[int, Position]]
     """Per source, the positions of the streams this worker reports."""
     counts: list[Counter]
@@ -212,22 +207,25 @@ class StepMaker:
         """Stream h's windows of this step: all of them are read, each member's kept."""
         deal = self.schedule.deals[s]
         if self._new(s, h):
-            position = Position(*deal.positions[h].tolist())
+            position = Position.unpack(deal.positions[h])
             unit_at = functools.partial(self._unit_at, s, h)
+            key = (self.settings.seed, s, deal.epoch, h)  # the stream's draws
             stream = stream_for(self.sources[s], self.units[s], self.tokenizer, self.settings,
-                                position, unit_at)  # fmt: skip
+                                position, unit_at, key)  # fmt: skip
             self.streams[(s, h)] = (deal.epoch, stream)
         epoch, stream = self.streams[(s, h)]
         counts_before = stream.counts()
-        offset = 0
+        offset, documents = 0, set()
         if any(int(m) not in slots for m in members):
             slots = {**slots, **self._slot_sources(step, [int(m) for m in members])}
         for member in (int(m) for m in members):
             for i in (i for i, source in enumerate(slots[member]) if source == s):
                 window = stream.next_window()
+                pieces = tuple(stream.pieces) if window is not None else ()
+                documents.update(doc for doc, _, _ in pieces)
                 if member in block.windows:
                     block.windows[member].append((i, window))
-                    block.origins[member].append((i, (s, epoch, h, step, offset)))
+                    block.origins[member].append((i, (s, epoch, h, step, offset, pieces)))
                     if window is not None:
                         block.counts[s]["labels"] += max(len(window) - 1, 0)
                 offset += 1
@@ -240,7 +238,7 @@ class StepMaker:
             block.reports[s][h] = position
             counts = stream.counts()
             counts.subtract(counts_before)
-            counts.update(finished)
+            counts.update(finished, step_documents=len(documents))
             block.counts[s].update(counts)
         if stream.first_bad and not self.first_bad[s]:
             self.first_bad[s] = block.first_bad[s] = stream.first_bad
@@ -315,7 +313,9 @@ def report_length(schedule: Schedule) -> int:
 def apply_report(schedule: Schedule, total: np.ndarray) -> list[bool]:
     """Commit a step's summed report to a schedule; per source, whether an epoch began."""
     positions, counts = split_report(schedule, total)
-    return schedule.commit(positions, [c["unit_tokens"] for c in counts])
+    return schedule.commit(
+        positions, [c["unit_tokens"] for c in counts], [c["unit_rows"] for c in counts]
+    )
 
 
 def split_report(schedule: Schedule, total: np.ndarray) -> tuple[list[np.ndarray], list[dict]]:
@@ -353,13 +353,13 @@ class TrainData:
         collective: Collective = SINGLE,
     ):
         if slots.readers % slots.dp_size or slots.global_batch % slots.readers:
-            raise ValueError(
+            raise BadDataInput(
                 f"{slots.readers} readers cannot serve {slots.dp_size} data-parallel ranks "
                 f"and a global batch of {slots.global_batch}"
             )
         for source, source_units in zip(sources, units, strict=True):
             if not source_units:
-                raise ValueError(f"{source.cfg.uri}: no {settings.split} data to read")
+                raise BadDataInput(f"{source.cfg.uri}: no {settings.split} data to read")
         self.sources, self.units, self.weights = list(sources), list(units), list(weights)
         self.tokenizer, self.settings, self.slots = tokenizer, settings, slots
         self.micro, self.device, self.collective = micro_batch_size, device, collective
@@ -374,15 +374,17 @@ class TrainData:
             [[unit.size for unit in source_units] for source_units in units],
             [source.tokens_per_size(settings.window) for source in sources],
             weights, slots.readers, slots.per_reader, settings.window, settings.seed,
+            settings.lanes,
         )  # fmt: skip
         self.totals = [Counter() for _ in sources]
         self.epoch_padding = [[0, 0] for _ in sources]  # label slots: [filled, all] this epoch
         self.first_bad: list[tuple[int, str] | None] = [None] * len(sources)
         self._padding = [0, 0]  # label slots since stats(): [filled, all]
+        self._documents = [0, 0]  # since stats(): [documents feeding the steps, steps]
         self._padding_told: set[int] = set()  # sources whose padded epoch was reported
         self.origins: dict[int, list] = {}
         """Per reader of this rank, where each window of the last step came from:
-        (source, epoch, stream, step, offset in the stream's step)."""
+        (source, epoch, stream, step, offset in the stream's step, pieces; see Block)."""
         self._loader, self._shutdown, self._inboxes = None, None, []
 
     @property
@@ -441,10 +443,11 @@ class TrainData:
         for blk in blocks:
             for s in range(len(self.sources)):
                 base = s * per_source
+                fields = schedule.fields
                 for h, position in blk.reports[s].items():
-                    row = base + h * (1 + FIELDS)
+                    row = base + h * (1 + fields)
                     report[row] = 1
-                    report[row + 1 : row + 1 + FIELDS] = position
+                    report[row + 1 : row + 1 + fields] = position.pack(self.settings.lanes)
                 counts = base + schedule.report_size()
                 report[counts : counts + len(COUNTED)] += [blk.counts[s][c] for c in COUNTED]
         report[-1] = int(failed)
@@ -474,6 +477,8 @@ class TrainData:
             slots = Counter(
                 slot_source(n, self.weights) for n in range(step * batch, step * batch + batch)
             )
+        self._documents[0] += sum(c["step_documents"] for c in counts)
+        self._documents[1] += 1
         for s, source in enumerate(self.sources):
             filled, possible = counts[s]["labels"], slots[s] * seq_len
             self._padding[0] += filled
@@ -536,6 +541,7 @@ class TrainData:
         """Stop the workers (the next step starts new ones at the saved positions)."""
         if self._shutdown is not None:
             self._shutdown.set()
+            atexit.unregister(self._shutdown.set)
         self._loader, self._shutdown, self._inboxes = None, None, []
 
     def _start_workers(self) -> None:
@@ -554,7 +560,9 @@ class TrainData:
         for inbox in self._inboxes:
             inbox.cancel_join_thread()  # a worker that ended must not hold up this process's exit
         shutdown = self._shutdown = context.Event()
-        _SHUTDOWNS.append(shutdown)
+        # set when this process exits (see worker_init); registered after multiprocessing's
+        # own exit handler, which terminates the workers, so it runs before it
+        atexit.register(shutdown.set)
         dataset = ReaderWorkers(
             self.sources, self.units, self.weights, self.tokenizer, self.settings, self.slots,
             replica, self._inboxes, shutdown,
@@ -581,13 +589,18 @@ class TrainData:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a state saved at any layout of the same data."""
+        """Continue from a state saved at any layout of the same data (one saved before
+        streams kept several documents open continues at its position with this run's
+        `data.open_documents`)."""
+        if state.get("format") == 2:
+            state = one_document_state(state, self.settings.lanes)
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(
+            raise BadDataInput(
                 "the data state was written by an earlier belief-lm (its readers had fixed "
                 "shares of each epoch); its position cannot be continued by this version"
             )
         saved = state.get("layout", {})
+        saved.setdefault("open_documents", self.layout["open_documents"])  # (format 2)
         lines_cut = any(
             isinstance(source, Source) and source.cut_at_line_starts(units)
             for source, units in zip(self.sources, self.units, strict=True)
@@ -596,13 +609,13 @@ class TrainData:
             saved = {**saved, "cuts": self.layout["cuts"]}  # line starts: the same cuts
         for key, value in self.layout.items():
             if key == "cuts" and saved.get(key) != value:
-                raise ValueError(
+                raise BadDataInput(
                     "data state was saved when the sources' files were cut into other units "
                     "(by a belief-lm that cut line files at fixed bytes, not at line starts): "
                     "the stream cannot continue exactly"
                 )
             if saved.get(key) != value:
-                raise ValueError(
+                raise BadDataInput(
                     f"data state was saved with {key}={saved.get(key)!r}, this run has "
                     f"{key}={value!r}: the stream cannot continue exactly"
                 )
@@ -613,12 +626,16 @@ class TrainData:
 
     def stats(self) -> dict[str, float]:
         """Data health over all ranks as of the last step: per source rows, documents,
-        skipped (by reason), tokens and epoch, as 'data/<source>/<count>'; and
-        'data/padding', the share of label slots without a token since the last call."""
+        skipped (by reason), tokens and epoch, as 'data/<source>/<count>'; since the last
+        call, 'data/padding', the share of label slots without a token, and
+        'data/documents_per_step', the documents with a token in a step on average (over
+        the global batch; a prepared source's counted per reader)."""
         stats = self._health()
         if self._padding[1]:
             stats["data/padding"] = 1 - self._padding[0] / self._padding[1]
-        self._padding = [0, 0]
+        if self._documents[1]:
+            stats["data/documents_per_step"] = self._documents[0] / self._documents[1]
+        self._padding, self._documents = [0, 0], [0, 0]
         return stats
 
     def _health(self) -> dict[str, float]:
@@ -628,3 +645,21 @@ class TrainData:
             health[f"data/{s}/epoch"] = float(self.schedule.deals[s].epoch)
             health[f"data/{s}/skipped"] = float(sum(totals[k] for k in SKIPPED))
         return health
+
+
+def one_document_state(state: dict, lanes: int) -> dict:
+    """A data state of format 2 (a stream held one document: `(unit, row, token,
+    unit_tokens, unit_bad, ahead)` per stream) as one of this format for streams of `lanes`
+    lanes: a stream's document, if begun, open in its first lane, its cursor at the next
+    row. Its open tokens are -1 until the stream reports them: the stream remade there adds
+    the tokens it has left to its unit's tally, which counted only the tokens taken."""
+    state = copy.deepcopy(state)
+    for deal in state["schedule"]["sources"]:
+        packed, old = [], np.asarray(deal["positions"]).tolist()
+        for unit, row, token, unit_tokens, unit_bad, ahead in old:
+            begun = int(token > 0)
+            lane = ((0, unit, row, token),) if begun else ()
+            position = Position(unit, row + begun, unit_tokens, unit_bad, ahead, -begun, lanes=lane)
+            packed.append(position.pack(lanes))
+        deal["positions"] = np.array(packed, dtype=np.int64)
+    return {**state, "format": STATE_FORMAT}

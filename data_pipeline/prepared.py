@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import shutil
 from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data_pipeline.documents import split_of
+from data_pipeline.errors import BadDataInput
 from data_pipeline.reading import Unit, batched
 from data_pipeline.sources import Source, SourceError
 from data_pipeline.stream import READ_BATCH, DocumentReader, Position, StreamSettings, skip_problem
@@ -62,17 +64,25 @@ def prepare(
     totals: Counter = Counter()
     reader = DocumentReader(source, StreamSettings(window=2, split=None))
     documents = (batch for batch in batched(reader.documents(source.units()), READ_BATCH))
-    # spawn: no inherited threads or locks; the workers import only the tokenizer module
-    context = multiprocessing.get_context("spawn")
+    # spawn: no inherited threads or locks; the workers import only the tokenizer module.
+    # An executor, not multiprocessing.Pool: a worker that dies fails the run
+    # (BrokenProcessPool) instead of leaving its result waited for forever, and leaving the
+    # block joins the workers (Pool.terminate could hang at the end on a loaded machine).
+    spawn = multiprocessing.get_context("spawn")
     with (
-        context.Pool(workers, initializer=load_in_process, initargs=(str(tokenizer.path),)) as pool,
+        ProcessPoolExecutor(
+            workers,
+            mp_context=spawn,
+            initializer=load_in_process,
+            initargs=(str(tokenizer.path),),
+        ) as pool,
         tqdm(desc=f"prepare {source.cfg.uri}", unit="doc", disable=not progress) as bar,
     ):
         pending: deque = deque()  # bounded, so reading never runs ahead of tokenizing
 
         def write_oldest() -> None:
             batch, result = pending.popleft()
-            tokens, lengths = result.get()
+            tokens, lengths = result.result()
             for doc, piece in zip(batch, np.split(tokens, np.cumsum(lengths)[:-1]), strict=True):
                 split = split_of(doc.id, validation_fraction)
                 builders[split].add_document(piece, [len(piece)])
@@ -82,14 +92,14 @@ def prepare(
 
         for rows in documents:
             batch = [doc for doc, *_ in rows]
-            pending.append((batch, pool.apply_async(encode_in_process, ([d.text for d in batch],))))
+            pending.append((batch, pool.submit(encode_in_process, [d.text for d in batch])))
             if len(pending) >= 4 * workers:
                 write_oldest()
         while pending:
             write_oldest()
     problem = skip_problem(source.cfg.uri, reader.counts, max_skipped_fraction, 0, whole=True)
     if problem:
-        raise ValueError(problem)
+        raise BadDataInput(problem)
     for split, builder in builders.items():
         builder.finalize(str(output / f"{split}.idx"))
     shutil.copyfile(tokenizer.path, output / "tokenizer.model")
@@ -149,7 +159,7 @@ class PreparedSource:
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
         if self.meta["tokenizer_sha256"] != tokenizer.sha256:
-            raise ValueError(
+            raise BadDataInput(
                 f"{self.cfg.uri} was tokenized with {self.dir / 'tokenizer.model'}, not with "
                 f"{tokenizer.path}: set data.tokenizer.path to the same model"
             )
@@ -226,6 +236,8 @@ class PreparedStream:
         self.taken = 0
         self.tallies: dict[int, list[int]] = {}
         self.first_bad = None
+        self.pieces: list[tuple[tuple[int], int, int]] = []
+        """The last window's pieces: ((document,), first token, tokens)."""
 
     def next_window(self) -> np.ndarray | None:
         index = self.unit_at(self.unit)
@@ -234,6 +246,7 @@ class PreparedStream:
         unit = self.units[index]
         sample = self.dataset[unit.start + self.row]
         window = np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
+        self.pieces = sample_pieces(self.dataset, unit.start + self.row)
         self.row += 1
         self.unit_tokens += len(window)
         self.taken += len(window)
@@ -244,7 +257,7 @@ class PreparedStream:
         return window.astype(np.int32)
 
     def position(self) -> Position:
-        return Position(self.unit, self.row, 0, self.unit_tokens, 0)
+        return Position(self.unit, self.row, self.unit_tokens)
 
     def look_ahead(self, tokens: int) -> int:
         """Position.ahead: the samples left in the list, counted without reading them."""
@@ -265,3 +278,19 @@ class PreparedStream:
             rows, _, tokens = self.tallies.pop(k)
             out.update(units=1, unit_rows=rows, unit_rows2=rows * rows, unit_tokens=tokens)
         return out
+
+
+def sample_pieces(dataset: GPTDataset, sample: int) -> list[tuple[tuple[int], int, int]]:
+    """The documents sample `sample` of megatron's GPTDataset spans (its shuffle, sample
+    and document indices, as its __getitem__ just read them): ((document,), first token,
+    tokens) each."""
+    beg, beg_offset = dataset.sample_index[dataset.shuffle_index[sample]]
+    end, end_offset = dataset.sample_index[dataset.shuffle_index[sample] + 1]
+    lengths = dataset.dataset.sequence_lengths
+    pieces = []
+    for i in range(int(beg), int(end) + 1):
+        document = int(dataset.document_index[i])
+        first = int(beg_offset) if i == beg else 0
+        stop = int(end_offset) + 1 if i == end else int(lengths[document])  # (+1: the label)
+        pieces.append(((document,), first, stop - first))
+    return pieces

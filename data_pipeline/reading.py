@@ -44,16 +44,21 @@ class Unit:
 
 
 def parquet_rows(
-    path: str, metadata: pq.FileMetaData, unit: Unit, columns: list[str], skip: int
+    path: str,
+    metadata: pq.FileMetaData,
+    unit: Unit,
+    columns: list[str],
+    skip: int,
+    decoded: DecodedGroups,
 ) -> Iterator:
     """Rows [unit.start + skip, unit.stop) of one row group, decoded PARQUET_BATCH at a time
     (rows before the range are decoded and dropped: parquet cannot seek to a row); a part
-    of a row group from the group decoded once (PART_CACHE_BYTES). The file's footer is
+    of a row group from the group decoded once and kept in `decoded`. The file's footer is
     `metadata`, read once per source: it is not parsed again for every unit."""
     first, position = unit.start + skip, 0
     group = metadata.row_group(unit.group)
-    if unit.stop - unit.start < group.num_rows and group.total_byte_size <= PART_CACHE_BYTES:
-        table = decoded_group(path, metadata, unit.group, tuple(columns))
+    if unit.stop - unit.start < group.num_rows and group.total_byte_size <= decoded.limit:
+        table = decoded.group(path, metadata, unit.group, tuple(columns))
         for start in range(first, unit.stop, PARQUET_BATCH):
             rows = table.slice(start, min(PARQUET_BATCH, unit.stop - start)).to_pylist()
             for index, row in enumerate(rows, start):
@@ -75,22 +80,35 @@ def parquet_rows(
             return
 
 
-_PARTS: OrderedDict[tuple, pa.Table] = OrderedDict()
-"""Row groups read in parts, decoded: (path, group, columns) -> table, least recent first."""
-_PARTS_BYTES = [0]
-"""Bytes the tables in _PARTS hold (kept with it: summing them per access is O(cache))."""
+class DecodedGroups:
+    """Parquet row groups read in parts, kept decoded up to `limit` bytes (the least
+    recently read dropped first). The sources of a run share one (each loader worker its
+    copy)."""
 
+    def __init__(self, limit: int = PART_CACHE_BYTES):
+        self.limit = limit
+        self.tables: OrderedDict[tuple, pa.Table] = OrderedDict()
+        """(path, group, columns) -> table, least recent first."""
+        self.bytes = 0
+        """Bytes the tables hold (kept with them: summing them per access is O(tables))."""
 
-def decoded_group(path: str, metadata: pq.FileMetaData, group: int, columns: tuple) -> pa.Table:
-    key = (path, group, columns)
-    if key not in _PARTS:
-        table = parquet_file(path, metadata).read_row_group(group, columns=list(columns))
-        _PARTS[key] = table
-        _PARTS_BYTES[0] += table.nbytes
-        while len(_PARTS) > 1 and _PARTS_BYTES[0] > PART_CACHE_BYTES:
-            _PARTS_BYTES[0] -= _PARTS.popitem(last=False)[1].nbytes
-    _PARTS.move_to_end(key)
-    return _PARTS[key]
+    def __getstate__(self) -> dict:  # a copy for another process starts empty
+        return {"limit": self.limit}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["limit"])
+
+    def group(self, path: str, metadata: pq.FileMetaData, group: int, columns: tuple) -> pa.Table:
+        """Row group `group` of `path` (its `columns`), decoded once."""
+        key = (path, group, columns)
+        if key not in self.tables:
+            table = parquet_file(path, metadata).read_row_group(group, columns=list(columns))
+            self.tables[key] = table
+            self.bytes += table.nbytes
+            while len(self.tables) > 1 and self.bytes > self.limit:
+                self.bytes -= self.tables.popitem(last=False)[1].nbytes
+        self.tables.move_to_end(key)
+        return self.tables[key]
 
 
 def parquet_file(path: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:

@@ -18,6 +18,11 @@ the same time for every reader, whatever the documents' lengths: padding is each
 last, short window and the epoch's last step. When every stream of a source has run out,
 its next epoch begins at the following step, for every reader alike.
 
+A stream's position is its cursor (the unit it reads, where its next document to open
+is) with the tokens of the documents it holds open (`stream.Position`): the units before
+the cursor are passed, and a stream is exhausted when its cursor is at its list's end and
+its documents are used up.
+
 The schedule changes only at `commit`, once per step, from what the step's streams report
 (their positions after it, and the tallies of the units they finished) summed over the
 ranks: every rank and every loader worker holds a replica and applies the same reports, so
@@ -37,7 +42,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from data_pipeline.stream import Position, epoch_order, slot_sources
+from data_pipeline.stream import (
+    AHEAD,
+    LANE_UNITS,
+    OPEN,
+    UNIT,
+    UNIT_TOKENS,
+    Position,
+    epoch_order,
+    position_fields,
+    slot_sources,
+)
 
 UNITS_PER_READER = 8
 """Sources are cut into units of at most 1/(readers x this) of their size: enough units for
@@ -54,7 +69,6 @@ PRIOR_SHARE = 1 / 8
 JOIN_DELAY = 2
 """Steps after the queue emptied before readers join other streams: a loader worker may
 then produce the next step before it has the last step's reports (see `view_needed`)."""
-FIELDS = len(Position._fields)
 
 
 @dataclass
@@ -70,6 +84,8 @@ class SourceDeal:
     """Tokens one reader takes from this source in a step, on average."""
     readers: int
     seed: int
+    lanes: int = 1
+    """Documents each stream keeps open (the width of its packed Position)."""
     epoch: int = 0
     handed: int = 0
     """Units of the epoch's order dealt out so far."""
@@ -77,13 +93,15 @@ class SourceDeal:
     """The step whose commit emptied the queue (None: not yet this epoch)."""
     lists: list[list[int]] = field(default_factory=list)
     """Per stream, the units it was handed this epoch, in order."""
-    positions: np.ndarray = field(default_factory=lambda: np.zeros((0, FIELDS), np.int64))
-    """Per stream, its Position (int64 [readers, FIELDS])."""
+    positions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    """Per stream, its packed Position (int64 [readers, position_fields(lanes)])."""
     follow: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     """Per reader, the stream it serves."""
     finished_size: int = 0
     finished_tokens: int = 0
     """Sizes and tokens of the units finished so far (every epoch): the measured ratio."""
+    finished_rows: int = 0
+    """Rows of the units finished so far: with their tokens, the tokens of a document."""
 
     def __post_init__(self) -> None:
         self.total = int(self.sizes.sum())
@@ -98,7 +116,7 @@ class SourceDeal:
         self.epoch, self.handed, self.emptied = epoch, 0, None
         self.order = epoch_order(len(self.sizes), self.seed, epoch)
         self.lists = [[] for _ in range(self.readers)]
-        self.positions = np.zeros((self.readers, FIELDS), dtype=np.int64)
+        self.positions = np.tile(np.array(Position().pack(self.lanes)), (self.readers, 1))
         self.follow = np.arange(self.readers)
         self._index()
         self.hand_out(step)
@@ -107,7 +125,7 @@ class SourceDeal:
         """The per-stream sums, from the lists and positions."""
         self.lengths = np.array([len(units) for units in self.lists], dtype=np.int64)
         self.listed = np.array([self.sizes[units].sum() for units in self.lists], dtype=np.int64)
-        at = self.positions[:, 0]
+        at = self.positions[:, UNIT]
         pairs = list(zip(self.lists, at, strict=True))
         self.passed = np.array([self.sizes[units[:k]].sum() for units, k in pairs], np.int64)
         self.head = np.array([self.sizes[units[k]] if k < len(units) else 0 for units, k in pairs],
@@ -123,9 +141,19 @@ class SourceDeal:
         prior = PRIOR_SHARE * self.total
         return (self.finished_tokens + self.tokens_per_size * prior) / (self.finished_size + prior)
 
+    def document_tokens(self) -> float:
+        """Tokens of a document (a row) on average, the work a lane without a document
+        waits for: measured on the finished units, with a first guess of a step's tokens
+        counted as if every lane of every stream had held a document of it (the units
+        that finish first are no fair sample: one holding a single long document made
+        every stream wait for dozens of units)."""
+        prior = self.readers * self.lanes
+        tokens = self.finished_tokens + prior * self.tokens_per_step
+        return tokens / (self.finished_rows + prior)
+
     def exhausted(self) -> np.ndarray:
-        """Per stream: read all it was handed."""
-        return self.positions[:, 0] >= self.lengths
+        """Per stream: read all it was handed, and used up its open documents."""
+        return (self.positions[:, UNIT] >= self.lengths) & (self.positions[:, OPEN] == 0)
 
     def queued(self) -> np.ndarray:
         """Per stream, the estimated tokens of the units it was handed and has not begun."""
@@ -133,9 +161,11 @@ class SourceDeal:
 
     def remaining(self) -> np.ndarray:
         """Per stream, its tokens still to read: known where it read them all ahead, else
-        estimated, and at least what it read ahead (at least 1 unless exhausted)."""
-        current = np.maximum(self.head * self.ratio - self.positions[:, 3], 1)
-        ahead = self.positions[:, 5]
+        estimated (its open documents' tokens are known), and at least what it read ahead
+        (at least 1 unless exhausted)."""
+        current = np.maximum(self.head * self.ratio - self.positions[:, UNIT_TOKENS], 1)
+        current = current + self.positions[:, OPEN]
+        ahead = self.positions[:, AHEAD]
         estimate = np.maximum(self.queued() + current, -ahead)
         return np.where(self.exhausted(), 0.0, np.where(ahead > 0, ahead, estimate))
 
@@ -149,11 +179,14 @@ class SourceDeal:
         """Deal queued units, one per needy stream per round in stream order, to every
         stream with less than TARGET_STEPS steps of estimated work for its readers beyond
         the unit it reads (whose end an estimate cannot foresee: a stream runs dry only if
-        the units it was handed hold far less than their sizes promise)."""
+        the units it was handed hold far less than their sizes promise), plus a document's
+        for each of its lanes without one (so that it has documents to open them with: a
+        stream with one document open and none to open draws its windows from it)."""
         if self.handed == len(self.order):
             return
         members = np.bincount(self.follow, minlength=self.readers)
-        need = TARGET_STEPS * self.tokens_per_step * members
+        empty = self.lanes - (self.positions[:, LANE_UNITS] >= 0).sum(axis=1)
+        need = TARGET_STEPS * members * self.tokens_per_step + empty * self.document_tokens()
         remaining = self.queued()
         needy = np.nonzero(remaining < need)[0]
         while len(needy) and self.handed < len(self.order):
@@ -161,7 +194,7 @@ class SourceDeal:
                 unit = int(self.order[self.handed])
                 self.handed += 1
                 size = self.sizes[unit]
-                if self.positions[h, 0] == self.lengths[h]:  # it waited at its list's end
+                if self.positions[h, UNIT] == self.lengths[h]:  # it waited at its list's end
                     self.head[h] = size
                 self.lists[h].append(unit)
                 self.lengths[h] += 1
@@ -180,7 +213,7 @@ class SourceDeal:
         is filled until the epoch's last."""
         exhausted = self.exhausted()
         remaining = self.remaining()
-        ahead = self.positions[:, 5]
+        ahead = self.positions[:, AHEAD]
         capacity = np.where(ahead > 0, -(-ahead // window), np.iinfo(np.int64).max)
         used = np.zeros(self.readers, dtype=np.int64)
         members = np.zeros(self.readers, dtype=np.int64)
@@ -215,17 +248,19 @@ class SourceDeal:
         step: int,
         slots: np.ndarray,
         window: int,
+        rows: int = 0,
     ) -> bool:
-        """Apply the reports of step `step` (positions of the streams `reported`, tokens of
-        the units finished; `slots`: each reader's windows of this source in the next
-        step, of `window` tokens); True if the next epoch begins."""
-        for h in np.nonzero(reported & (positions[:, 0] != self.positions[:, 0]))[0]:
-            units, old, new = self.lists[h], self.positions[h, 0], positions[h, 0]
+        """Apply the reports of step `step` (positions of the streams `reported`, tokens and
+        rows of the units finished; `slots`: each reader's windows of this source in the
+        next step, of `window` tokens); True if the next epoch begins."""
+        for h in np.nonzero(reported & (positions[:, UNIT] != self.positions[:, UNIT]))[0]:
+            units, old, new = self.lists[h], self.positions[h, UNIT], positions[h, UNIT]
             passed = int(self.sizes[units[old:new]].sum())
             self.finished_size += passed
             self.passed[h] += passed
             self.head[h] = self.sizes[units[new]] if new < len(units) else 0
         self.finished_tokens += tokens
+        self.finished_rows += rows
         self.positions[reported] = positions[reported]
         if self.handed == len(self.order) and self.exhausted().all():
             self.begin(self.epoch + 1, step)
@@ -253,7 +288,7 @@ class SourceDeal:
             "units": np.array([u for units in self.lists for u in units], dtype=np.int64),
             "lengths": self.lengths.copy(), "positions": self.positions.copy(),
             "follow": self.follow.copy(), "finished_size": self.finished_size,
-            "finished_tokens": self.finished_tokens,
+            "finished_tokens": self.finished_tokens, "finished_rows": self.finished_rows,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -265,6 +300,7 @@ class SourceDeal:
         self.positions = np.array(state["positions"], dtype=np.int64)
         self.follow = np.array(state["follow"], dtype=np.int64)
         self.finished_size, self.finished_tokens = state["finished_size"], state["finished_tokens"]
+        self.finished_rows = state.get("finished_rows", 0)  # (format 2: not counted)
         self._index()
 
 
@@ -280,14 +316,17 @@ class Schedule:
         per_reader: int,
         window: int,
         seed: int,
+        lanes: int = 1,
     ):
         self.step = 0
         """Steps committed: this is the schedule of step `step`."""
         self.weights, self.per_reader, self.window = list(weights), per_reader, window
+        self.fields = position_fields(lanes)
+        """Integers of a stream's packed Position."""
         total = sum(weights)
         self.deals = [
             SourceDeal(np.asarray(size, dtype=np.int64), ratio, per_reader * window * w / total,
-                       readers, seed)
+                       readers, seed, lanes)
             for size, ratio, w in zip(sizes, tokens_per_size, weights, strict=True)
         ]  # fmt: skip
         for deal in self.deals:
@@ -306,19 +345,28 @@ class Schedule:
 
     def report_size(self) -> int:
         """Integers per source in a step's report (the positions of all streams)."""
-        return self.readers * (1 + FIELDS)
+        return self.readers * (1 + self.fields)
 
-    def commit(self, reports: Sequence[np.ndarray], tokens: Sequence[int]) -> list[bool]:
-        """Apply one step's summed reports (per source: [readers, 1 + FIELDS], a stream's
-        row [1, *position] where a stream reported), and the tokens of the units finished;
-        per source, whether its next epoch begins."""
+    def commit(
+        self,
+        reports: Sequence[np.ndarray],
+        tokens: Sequence[int],
+        rows: Sequence[int] | None = None,
+    ) -> list[bool]:
+        """Apply one step's summed reports (per source: [readers, 1 + fields], a stream's
+        row [1, *position] where a stream reported), and the tokens and rows of the units
+        finished; per source, whether its next epoch begins."""
         turned, slots = [], self.slots(self.step + 1)
-        for deal, report, finished, counts in zip(self.deals, reports, tokens, slots, strict=True):
-            report = np.asarray(report).reshape(self.readers, 1 + FIELDS)
+        rows = rows if rows is not None else [0] * len(self.deals)
+        for deal, report, finished, counts, read in zip(
+            self.deals, reports, tokens, slots, rows, strict=True
+        ):
+            report = np.asarray(report).reshape(self.readers, 1 + self.fields)
             reported, positions = report[:, 0] > 0, report[:, 1:]
             turned.append(
-                deal.commit(reported, positions, int(finished), self.step, counts, self.window)
-            )
+                deal.commit(reported, positions, int(finished), self.step, counts, self.window,
+                            int(read))
+            )  # fmt: skip
         self.step += 1
         return turned
 

@@ -34,9 +34,11 @@ import pyarrow.parquet as pq
 
 from data_pipeline.documents import RowParser, parse_filter
 from data_pipeline.embedded import embedded_documents
+from data_pipeline.errors import BadDataInput
 from data_pipeline.failures import failure_kind, retry
 from data_pipeline.reading import (
     COMPRESSIONS,
+    DecodedGroups,
     Unit,
     binary,
     file_size,
@@ -58,7 +60,7 @@ CHECKED_LINES = 100
 _TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 
 
-class SourceError(ValueError):
+class SourceError(BadDataInput):
     """A source that cannot be used; `key` is the SourceConfig field at fault."""
 
     def __init__(self, key: str, message: str):
@@ -67,10 +69,13 @@ class SourceError(ValueError):
 
 
 class Source:
-    """One configured source: its files, its units and how to read and parse their rows."""
+    """One configured source: its files, its units and how to read and parse their rows
+    (`decoded`: where row groups read in parts are kept decoded; the sources of a run share
+    one)."""
 
-    def __init__(self, cfg: SourceConfig):
+    def __init__(self, cfg: SourceConfig, decoded: DecodedGroups | None = None):
         self.cfg = cfg
+        self.decoded = decoded if decoded is not None else DecodedGroups()
         self.kind, self.location, self.config_name = _parse_uri(cfg)
         self.filters = [parse_filter(f) for f in cfg.filters]
         self._files: list[str] | None = None
@@ -322,7 +327,7 @@ class Source:
             return
         path = self.files()[unit.file]
         if self.file_format == "parquet":
-            yield from parquet_rows(path, self._meta(path), unit, self.columns, skip)
+            yield from parquet_rows(path, self._meta(path), unit, self.columns, skip, self.decoded)
         else:
             rows = line_rows(path, unit, self.file_format, self.cfg.text_unit)
             yield from itertools.islice(rows, skip, None)

@@ -1,30 +1,41 @@
-"""Streams: the documents of a list of units, tokenized and packed into windows.
+"""Streams: the documents of a list of units, tokenized and drawn into windows.
 
 A *stream* reads the units of a source it is handed (`data_pipeline/schedule.py` deals
 them out), in order: rows -> documents (`RowParser`; corrupt, non-UTF-8 and empty rows
-are skipped and counted) -> sentencepiece ids + EOS -> windows of seq_len + 1 tokens. A
-document continues from one window into the next, and from one unit's last document into
-the next unit's first. The list of units may grow while the stream reads it (the stream
-asks for unit k with `unit_at(k)` and is *exhausted* for now when there is none yet);
-windows are never held back: a stream that runs out mid-window returns a short one.
+are skipped and counted) -> sentencepiece ids + EOS. It keeps `lanes` documents open at
+once and takes each window (seq_len + 1 tokens) from one of them, chosen by a seeded draw
+(a function of the seed, the source, the epoch, the stream and the window's number: the
+same in every process and at every layout), never the lane of its previous window while
+another one has tokens. A lane whose document ends mid-window opens the next document,
+read where the stream's *cursor* stands; once no document is left to open the lanes are
+drawn in proportion to the tokens they hold, so that they end together. So a stream's
+consecutive windows come from different documents, a long document is interleaved with
+the others, and the windows of a document are spread over many steps, as when samples are
+shuffled. With one lane a stream packs its documents one after another. The list of units
+may grow while the stream reads it (the stream asks for unit k with `unit_at(k)` and is
+*exhausted* for now when there is none yet and its lanes are empty); windows are never held
+back: a stream that runs out mid-window returns a short one.
 
-Where a stream stands is a `Position`: the unit it reads (its index k in the stream's
-list), the row of the document at its head, how many of that document's tokens were
-already used, and the tokens and unusable rows of unit k before it. Restoring a position
-re-reads that row, tokenizes it and drops the tokens already used, so a stream made at a
-position continues with exactly the windows the original would have produced next; any
-process holding the position and the list can make one.
+Where a stream stands is a `Position`: the cursor (the unit and row of the next document
+to open, with the tokens and unusable rows of that unit before it), the windows drawn so
+far and the last lane drawn, and per lane the unit, row and tokens taken of its open
+document. Restoring a position re-reads the rows from the earliest open document to the
+cursor, tokenizes only the open documents and drops the tokens already taken, so a stream
+made at a position continues with exactly the windows the original would have produced
+next; any process holding the position and the list can make one.
 
-Counts (rows, documents, skipped by reason, ...) are attributed to positions, never to
-reading ahead: the counts of a stretch of windows are the rows read before the position at
-its end minus those before the position at its start, and a unit's own tallies are
-reported when the position passes it. So counting is exact however often a stream is
-remade, and however far it read ahead.
+Counts (rows, documents, skipped by reason, ...) are attributed to the cursor, never to
+reading ahead: the counts of a stretch of windows are the rows read before the cursor at
+its end minus those before the cursor at its start, and a unit's own tallies (its rows,
+unusable rows, and the tokens of its documents, counted when each is opened) are reported
+when the cursor passes it. So counting is exact however often a stream is remade, and
+however far it read ahead.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import logging
 import math
@@ -82,25 +93,80 @@ class StreamSettings:
     """'skip' (count its rows as skipped) or 'stop' (a DataFault)."""
     threads: int = 1
     """sentencepiece threads per tokenization call (-1: all cores)."""
+    lanes: int = 1
+    """Documents a stream keeps open, drawing each window from one of them (1: one
+    document after another)."""
 
 
 class Position(NamedTuple):
-    """Where a stream continues."""
+    """Where a stream continues (see the module docstring); in a report or a saved state,
+    the integers of `pack`."""
 
     unit: int = 0
-    """Index in the stream's list of the unit it reads (the list's length: exhausted)."""
+    """The cursor: index in the stream's list of the unit holding the next document to
+    open (the list's length: none is left to open for now)."""
     row: int = 0
-    """Row of that unit holding the document at the head (rows before it were read)."""
-    token: int = 0
-    """Tokens of the head document already in earlier windows."""
+    """Row of that unit holding the next document to open (rows before it were read)."""
     unit_tokens: int = 0
-    """Tokens of the unit already in earlier windows."""
+    """Tokens of that unit's documents opened so far."""
     unit_bad: int = 0
-    """Unusable rows of the unit before the head."""
+    """Unusable rows of that unit before the row."""
     ahead: int = 0
     """In an epoch's tail: the tokens the stream has left, if it read them all ahead
     (> 0), or minus the number it read ahead without reaching its end (< 0); else 0. Not
     needed to continue: it tells the schedule which streams need readers most."""
+    open: int = 0
+    """Tokens left in the open documents (-1: a state of format 2 converted, whose open
+    document's tokens left are not yet in its unit's tally)."""
+    drawn: int = 0
+    """Windows the stream has produced: the number of the next window's draw."""
+    last: int = -1
+    """The lane of the last window (-1: none yet)."""
+    lanes: tuple[tuple[int, int, int], ...] = ()
+    """Per lane holding an open document: (lane, unit, row, taken), the unit and row of
+    the document and its tokens already taken."""
+
+    def pack(self, lanes: int) -> list[int]:
+        """The position as `position_fields(lanes)` integers (a lane without a document:
+        unit -1)."""
+        slots = [[-1, 0, 0] for _ in range(lanes)]
+        for lane, unit, row, taken in self.lanes:
+            slots[lane] = [unit, row, taken]
+        return [*self[:SCALARS], *(x for slot in slots for x in slot)]
+
+    @classmethod
+    def unpack(cls, values: Sequence[int]) -> Position:
+        """The position `pack` wrote."""
+        values = [int(v) for v in values]
+        rest = values[SCALARS:]
+        lanes = tuple(
+            (lane, *rest[3 * lane : 3 * lane + 3])
+            for lane in range(len(rest) // 3)
+            if rest[3 * lane] >= 0
+        )
+        return cls(*values[:SCALARS], lanes=lanes)
+
+
+SCALARS = len(Position._fields) - 1
+"""Integers of a Position before its lanes'."""
+UNIT, UNIT_TOKENS, AHEAD, OPEN = (
+    Position._fields.index(name) for name in ("unit", "unit_tokens", "ahead", "open")
+)
+"""Columns of a packed Position that the schedule reads."""
+LANE_UNITS = slice(SCALARS, None, 3)
+"""Columns of a packed Position holding each lane's unit (-1: no document)."""
+
+
+def position_fields(lanes: int) -> int:
+    """Integers of a packed Position of a stream with `lanes` lanes."""
+    return SCALARS + 3 * lanes
+
+
+def draw(key: Sequence[int], n: int) -> float:
+    """A uniform number in [0, 1) for draw `n` of the stream `key` (seed, source, epoch,
+    stream): a hash, so any process computes it without the draws before it."""
+    digest = hashlib.blake2b(np.array([*key, n], dtype=np.int64).tobytes(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") / 2.0**64
 
 
 def epoch_order(units: int, seed: int, epoch: int) -> np.ndarray:
@@ -195,8 +261,9 @@ class DocumentReader:
     _skips_logged: ClassVar[Counter] = Counter()
     """Skipped rows logged so far in this process, per source URI."""
 
-    def __init__(self, source: Source, settings: StreamSettings):
-        self.source, self.settings = source, settings
+    def __init__(self, source: Source, settings: StreamSettings, quiet: bool = False):
+        self.source, self.settings, self.quiet = source, settings, quiet
+        """quiet: rows read again (a stream remade), whose skips were logged already."""
         self.counts: Counter = Counter()
         self.first_bad: str | None = None
         """Where this reader met its first unusable row."""
@@ -286,13 +353,16 @@ class DocumentReader:
         self.counts["corrupt_row_group"] += lost
         self.unit_bad += lost
         self.first_bad = self.first_bad or self._where(unit, following)
-        log.warning(
-            "%s; skipped its %d unread row(s) (data.on_corrupt_row_group=skip)", message, lost
-        )
+        if not self.quiet:
+            log.warning(
+                "%s; skipped its %d unread row(s) (data.on_corrupt_row_group=skip)", message, lost
+            )
 
     def _skipped(self, reason: str, where: str) -> None:
         self.unit_bad += 1
         self.first_bad = self.first_bad or where
+        if self.quiet:
+            return
         logged = self._skips_logged
         logged[self.source.cfg.uri] += 1
         if logged[self.source.cfg.uri] <= LOGGED_SKIPS or logged[self.source.cfg.uri] % 1000 == 0:
@@ -301,22 +371,32 @@ class DocumentReader:
 
 @dataclass
 class _Pending:
-    """A tokenized document not yet wholly in windows."""
+    """A tokenized document at the cursor, not yet opened."""
 
     tokens: np.ndarray
     unit: int
     row: int
-    offset: int
-    """Tokens of the document already taken (its first token in `tokens` is this one)."""
     before: dict
     """The reader's counts before its row."""
     unit_bad: int
     """Unusable rows of its unit before its row."""
 
 
+@dataclass
+class _Open:
+    """A document open in a lane: the tokens not yet taken."""
+
+    tokens: np.ndarray
+    unit: int
+    row: int
+    taken: int
+    """Tokens of the document already taken (its first token in `tokens` is this one)."""
+
+
 class SourceStream:
     """The windows of one stream of a source (see the module docstring): `next_window()`
-    until it returns None (exhausted for now; it continues if the list grows)."""
+    until it returns None (exhausted for now; it continues if the list grows); `pieces`
+    says where the last window's tokens came from."""
 
     def __init__(
         self,
@@ -326,42 +406,91 @@ class SourceStream:
         settings: StreamSettings,
         position: Position,
         unit_at: Callable[[int], int | None],
+        key: Sequence[int] = (),
     ):
         self.source, self.units, self.tokenizer = source, units, tokenizer
-        self.settings, self.unit_at = settings, unit_at
+        self.settings, self.unit_at, self.key = settings, unit_at, tuple(key)
         self.reader = DocumentReader(source, settings)
         self.pending: deque[_Pending] = deque()
-        self.available = 0
+        self.pending_tokens = 0
+        self.lanes: list[_Open | None] = [None] * settings.lanes
+        self.open_tokens = 0
+        self.drawn, self.last = position.drawn, position.last
         self.reading, self.next_row = position.unit, position.row  # where reading continues
-        self.skip_tokens = position.token  # of the first document read
         self.documents: Iterator | None = None
-        # per unit from the position on: [rows read, unusable rows read, tokens taken]
+        # per unit from the cursor on: [rows read, unusable rows read, tokens opened]
         self.tallies = {position.unit: [position.row, position.unit_bad, position.unit_tokens]}
         self.tokens_taken = 0
+        self.pieces: list[tuple[tuple[int, int], int, int]] = []
+        """The last window's pieces: ((unit, row) of a document, first token, tokens)."""
+        if position.lanes:
+            self._reopen(position)
 
     def next_window(self) -> np.ndarray | None:
         """The next window (int32; short only where the stream ran out), or None when it
         has nothing now."""
-        size = self.settings.window
-        while self.available <= size and self._read():
-            pass
-        if not self.available:
+        if not self.open_tokens and not self._can_open():
             return None
-        take = min(size, self.available)
-        self.available -= take
-        self.tokens_taken += take
-        parts = []
-        while take:
-            head = self.pending[0]
-            piece = head.tokens[:take]
+        lane = self._draw()
+        self.drawn, self.last = self.drawn + 1, lane
+        parts, self.pieces, need = [], [], self.settings.window
+        while need:
+            doc = self.lanes[lane]
+            if doc is None:
+                if self._can_open():
+                    doc = self.lanes[lane] = self._open()
+                else:  # nothing left to open: the window goes on with the next lane
+                    lane = self._next_open_lane(lane)
+                    if lane is None:
+                        break
+                    continue
+            piece = doc.tokens[:need]
             parts.append(piece)
-            take -= len(piece)
-            self.tallies[head.unit][2] += len(piece)
-            if len(piece) == len(head.tokens):
-                self.pending.popleft()
-            else:
-                head.tokens, head.offset = head.tokens[len(piece) :], head.offset + len(piece)
+            self.pieces.append(((doc.unit, doc.row), doc.taken, len(piece)))
+            need -= len(piece)
+            doc.tokens, doc.taken = doc.tokens[len(piece) :], doc.taken + len(piece)
+            self.open_tokens -= len(piece)
+            if not len(doc.tokens):
+                self.lanes[lane] = None
+        taken = self.settings.window - need
+        self.tokens_taken += taken
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
+    def _draw(self) -> int:
+        """The lane of the next window: uniform over the lanes other than the last one
+        while documents are left to open, else over those holding tokens in proportion to
+        them (so that they end together)."""
+        lanes = len(self.lanes)
+        if lanes == 1:
+            return 0
+        u = draw(self.key, self.drawn)
+        if self._can_open():
+            candidates = [j for j in range(lanes) if j != self.last]
+            return candidates[int(u * len(candidates))]
+        holding = [j for j in range(lanes) if self.lanes[j] is not None]
+        candidates = [j for j in holding if j != self.last] or holding
+        weights = np.cumsum([len(self.lanes[j].tokens) for j in candidates])
+        return candidates[int(np.searchsorted(weights, u * weights[-1], side="right"))]
+
+    def _next_open_lane(self, lane: int) -> int | None:
+        """The first lane after `lane` (cyclically) holding tokens, or None."""
+        lanes = len(self.lanes)
+        for j in range(lane + 1, lane + 1 + lanes):
+            if self.lanes[j % lanes] is not None:
+                return j % lanes
+        return None
+
+    def _can_open(self) -> bool:
+        """Whether a document is left to open now (reading ahead to know it)."""
+        return bool(self.pending) or self._read()
+
+    def _open(self) -> _Open:
+        """Open the document at the cursor; its tokens count to its unit."""
+        doc = self.pending.popleft()
+        self.pending_tokens -= len(doc.tokens)
+        self.open_tokens += len(doc.tokens)
+        self.tallies[doc.unit][2] += len(doc.tokens)
+        return _Open(doc.tokens, doc.unit, doc.row, 0)
 
     @property
     def first_bad(self) -> str | None:
@@ -369,29 +498,38 @@ class SourceStream:
         return self.reader.first_bad
 
     def position(self) -> Position:
-        """Where the next window starts (after reading ahead, so it knows whether the
-        stream is exhausted)."""
+        """Where the stream stands (after reading ahead, so it knows whether it is
+        exhausted)."""
+        self._can_open()
+        lanes = tuple(
+            (lane, doc.unit, doc.row, doc.taken)
+            for lane, doc in enumerate(self.lanes)
+            if doc is not None
+        )
+        state = {"open": self.open_tokens, "drawn": self.drawn, "last": self.last, "lanes": lanes}
         if not self.pending:
-            return Position(self.reading)
+            return Position(self.reading, **state)
         head = self.pending[0]
-        return Position(head.unit, head.row, head.offset, self.tallies[head.unit][2], head.unit_bad)
+        return Position(head.unit, head.row, self.tallies[head.unit][2], head.unit_bad, **state)
 
     def look_ahead(self, tokens: int) -> int:
-        """Position.ahead: read on until more than `tokens` tokens are pending or the list
-        is read (the result depends on the data alone, not on how far it had read)."""
-        while self.available <= tokens and self._read():
+        """Position.ahead: read on until more than `tokens` tokens are left in the lanes
+        and read ahead, or the list is read (the result depends on the data alone, not on
+        how far it had read)."""
+        while self.open_tokens + self.pending_tokens <= tokens and self._read():
             pass
-        return self.available if self.available <= tokens else -tokens
+        left = self.open_tokens + self.pending_tokens
+        return left if left <= tokens else -tokens
 
     def counts(self) -> Counter:
-        """Counts of the rows before the position (since this stream was made), plus the
+        """Counts of the rows before the cursor (since this stream was made), plus the
         tokens taken."""
         counts = Counter(self.pending[0].before if self.pending else self.reader.counts)
         counts["tokens"] = self.tokens_taken
         return counts
 
     def finished_units(self, before: int) -> Counter:
-        """UNIT_TALLIES over the units before index `before` (the position passed them),
+        """UNIT_TALLIES over the units before index `before` (the cursor passed them),
         which are then forgotten."""
         out = Counter()
         for k in [k for k in self.tallies if k < before]:
@@ -420,15 +558,15 @@ class SourceStream:
             chars += len(item[0].text)
         if not batch:
             return False
-        ids = self.tokenizer.encode_batch(
-            [doc.text for doc, *_ in batch], add_eos=True, num_threads=self.settings.threads
-        )
+        ids = self._encode([doc.text for doc, *_ in batch])
         for (_, unit, row, before, bad), tokens in zip(batch, ids, strict=True):
-            array = np.fromiter(tokens, np.int32, count=len(tokens))  # (faster than asarray)
-            offset, self.skip_tokens = self.skip_tokens, 0
-            self.pending.append(_Pending(array[offset:], unit, row, offset, before, bad))
-            self.available += len(array) - offset
+            self.pending.append(_Pending(tokens, unit, row, before, bad))
+            self.pending_tokens += len(tokens)
         return True
+
+    def _encode(self, texts: list[str]) -> list[np.ndarray]:
+        ids = self.tokenizer.encode_batch(texts, add_eos=True, num_threads=self.settings.threads)
+        return [np.fromiter(t, np.int32, count=len(t)) for t in ids]  # (faster than asarray)
 
     def _unit_documents(self, unit: Unit, first: int) -> Iterator[tuple]:
         """The unit's documents with what a pending document records, keeping its tallies."""
@@ -442,6 +580,37 @@ class SourceStream:
         tally[0] += self.reader.counts["rows"] - rows_before
         tally[1] = self.reader.unit_bad
 
+    def _reopen(self, position: Position) -> None:
+        """The lanes' documents at `position`: the rows from the earliest to the cursor read
+        again (quietly: their counts and skips belong to the stream that read them first),
+        only the open documents tokenized, the tokens already taken dropped."""
+        wanted = {(unit, row): (lane, taken) for lane, unit, row, taken in position.lanes}
+        reader = DocumentReader(self.source, self.settings, quiet=True)
+        first_unit, first_row = min(wanted)
+        found = []
+        for k in range(first_unit, position.unit + 1):  # (they are before the cursor)
+            index = None if len(found) == len(wanted) else self.unit_at(k)
+            if index is None:
+                break
+            start = first_row if k == first_unit else 0
+            for doc, row, _ in reader.unit_documents(self.units[index], start):
+                if (k, row) in wanted:
+                    found.append(((k, row), doc.text))
+                    if len(found) == len(wanted):
+                        break
+        if len(found) != len(wanted):
+            raise RuntimeError(
+                f"{self.source.cfg.uri}: the open documents of a saved position were not "
+                "found again (the data changed?)"
+            )
+        encoded = self._encode([text for _, text in found])
+        for ((unit, row), _), tokens in zip(found, encoded, strict=True):
+            lane, taken = wanted[(unit, row)]
+            self.lanes[lane] = _Open(tokens[taken:], unit, row, taken)
+            self.open_tokens += len(tokens) - taken
+        if position.open < 0:  # (see Position.open)
+            self.tallies[position.unit][2] += self.open_tokens
+
 
 def stream_for(
     source,
@@ -450,9 +619,11 @@ def stream_for(
     settings: StreamSettings,
     position: Position,
     unit_at: Callable[[int], int | None],
+    key: Sequence[int] = (),
 ):
     """A stream of `source`'s `units` from `position`, the k-th of its list being
-    units[unit_at(k)] (prepared data has its own kind of stream)."""
+    units[unit_at(k)], its draws keyed by `key` (seed, source, epoch, stream). Prepared
+    data has its own kind of stream (its samples are shuffled already)."""
     if not isinstance(source, Source):
         return source.stream(units, settings, position, unit_at)
-    return SourceStream(source, units, tokenizer, settings, position, unit_at)
+    return SourceStream(source, units, tokenizer, settings, position, unit_at, key)

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from data_pipeline.errors import BadDataInput
+
 MAX_PIECE_INPUT_BYTES = 4096
 """sentencepiece silently drops training sentences longer than its max_sentence_length;
 we cut documents into paragraphs/lines below this size instead."""
@@ -31,7 +33,7 @@ class Tokenizer:
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
         except (OSError, RuntimeError) as err:
-            raise ValueError(f"cannot load sentencepiece model {self.path}: {err}") from None
+            raise BadDataInput(f"cannot load sentencepiece model {self.path}: {err}") from None
 
     def __getstate__(self) -> dict:
         return {"path": self.path}  # DataLoader workers started by spawn reload the file
@@ -136,11 +138,11 @@ def train_tokenizer(
             r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(err)
         )
         if most:
-            raise ValueError(
+            raise BadDataInput(
                 f"data.tokenizer.vocab_size: {vocab_size} pieces cannot be learned from this "
                 f"text (at most {most[1]}): set a smaller vocab_size, or train on more text"
             ) from None
-        raise ValueError(f"training the tokenizer failed: {err}") from None
+        raise BadDataInput(f"training the tokenizer failed: {err}") from None
     if failures:
         raise failures[0]
     return _write_model(model.getvalue(), Path(output))

@@ -18,9 +18,9 @@ own, train on as orphans. Here:
   A stopped rank is continued so that it can end; any rank still there after QUIET_S gets
   SIGTERM, after STOP_GRACE_S SIGKILL. The failed rank's exit code is this command's;
 - with launch.failure_restarts=N, a failure other than bad input (2), loss spikes (3, a
-  person's call) or a stop (75) starts the ranks again, up to N times, on a new port: they
-  resume from the newest checkpoint, and the restart's cause goes to starts.jsonl (the
-  ranks read it from RESTART_VARIABLE);
+  person's call) or a stop (75), the ends of exit_codes.NOT_RESTARTED, starts the ranks
+  again, up to N times, on a new port: they resume from the newest checkpoint, and the
+  restart's cause goes to starts.jsonl (the ranks read it from RESTART_VARIABLE);
 - the ranks get SIGTERM if this process dies, however it dies (PR_SET_PDEATHSIG): they save
   and exit, and never outlive their launcher.
 """
@@ -41,6 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from belief_lm.config import ConfigError
+from belief_lm.exit_codes import DONE, NOT_RESTARTED, PEER_LOST, PREEMPTED
+
 if TYPE_CHECKING:
     from belief_lm.config import Config
 
@@ -50,14 +53,6 @@ QUIET_S = 5
 at once) before they are asked to stop: a stop would make each say so."""
 STOP_GRACE_S = 30
 """Seconds after one failed until the ranks still running are killed."""
-# Exit codes of belief_lm.exit_codes (not imported from there: job submission reads only
-# the config; tests/launcher/test_launch.py holds them equal).
-BAD_INPUT = 2
-LOSS_SPIKES = 3
-PEER_LOST = 69
-PREEMPTED = 75
-NOT_RESTARTED = (0, BAD_INPUT, LOSS_SPIKES, PREEMPTED)
-"""Ends that a restart would not change: done, bad input, a person's call, a stop."""
 RESTART_VARIABLE = "BELIEF_LM_RESTART"
 """The restart's cause (JSON) for the ranks to record in starts.jsonl
 (belief_lm.train.run_dir.RESTART_VARIABLE)."""
@@ -71,7 +66,7 @@ def rank_commands(cfg: Config, train_args: list[str], port: int) -> list[tuple[d
     """(environment variables, command line) of every rank of `belief-lm train <train_args>`
     on this machine, meeting at 127.0.0.1:`port`."""
     if cfg.launch.nodes != 1:
-        raise ValueError(
+        raise ConfigError(
             f"launch.nodes is {cfg.launch.nodes}, but launch local runs on this machine "
             "only (use launch slurm for several nodes)"
         )
@@ -199,7 +194,7 @@ def _watch(
         _kill_group(rank)
     if failure is not None:
         return failure.code, failure
-    return PREEMPTED if PREEMPTED in [_exit_code(rank) for rank in ranks] else 0, None
+    return PREEMPTED if PREEMPTED in [_exit_code(rank) for rank in ranks] else DONE, None
 
 
 def _report(failure: Failure, run_dir: Path, since: float, world: int, timeout_s: float) -> None:
@@ -214,12 +209,12 @@ def _report(failure: Failure, run_dir: Path, since: float, world: int, timeout_s
     for rank in range(world):
         try:
             beat = json.loads((run_dir / HEARTBEATS / f"rank_{rank:05d}.json").read_text())
-        except (OSError, ValueError):
+            age = now - beat["time"]
+            if rank != failure.rank and beat["started"] >= since and age > timeout_s / 2:
+                silent.append(f"rank {rank} (pid {beat['pid']} on {beat['host']}, no "
+                              f"heartbeat for {age:.0f} s)")  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError):  # none, or no heartbeat of ours
             continue
-        age = now - beat["time"]
-        if rank != failure.rank and beat["started"] >= since and age > timeout_s / 2:
-            silent.append(f"rank {rank} (pid {beat['pid']} on {beat['host']}, no heartbeat "
-                          f"for {age:.0f} s)")  # fmt: skip
     if silent:
         line += "; silent: " + ", ".join(silent)
     print(line, file=sys.stderr, flush=True)
@@ -231,7 +226,7 @@ def _first_failure(ranks: list[subprocess.Popen]) -> Failure | None:
     failed = [
         Failure(rank, process.pid, code)
         for rank, process in enumerate(ranks)
-        if (code := _exit_code(process)) not in (None, 0, PREEMPTED)
+        if (code := _exit_code(process)) not in (None, DONE, PREEMPTED)
     ]
     failed.sort(key=lambda failure: failure.code == PEER_LOST)  # stable: rank order stays
     return failed[0] if failed else None
@@ -279,9 +274,10 @@ def _peer_report(run_dir: Path, since: float) -> dict | None:
     if not reports:
         return None
     try:
-        return json.loads(max(reports, key=lambda p: p.stat().st_mtime).read_text())
+        report = json.loads(max(reports, key=lambda p: p.stat().st_mtime).read_text())
     except (OSError, ValueError):
         return None
+    return report if isinstance(report, dict) else None  # else not a report of ours
 
 
 def _die_with(parent: int):

@@ -1,9 +1,11 @@
 """`belief-lm launch slurm`: render the sbatch template (`launcher/pretrain.sbatch`, package
 data; `slurm/pretrain.sbatch` in a checkout) from a run's `launch:` section and submit it.
 
-Rendering replaces the template's #SBATCH lines and its settings block (between
-`# >>> settings` and `# <<< settings`); everything else runs as written, so a rendered
-script and `sbatch slurm/pretrain.sbatch ...` behave the same.
+Rendering replaces the template's #SBATCH lines, its settings block (between
+`# >>> settings` and `# <<< settings`) and its exit codes (between `# >>> exit codes` and
+`# <<< exit codes`, written from belief_lm.exit_codes: the template's own copy, for
+`sbatch slurm/pretrain.sbatch ...` by hand, is held equal to them by a test); everything
+else runs as written, so a rendered script and the template behave the same.
 """
 
 from __future__ import annotations
@@ -15,12 +17,35 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from belief_lm import exit_codes
+
 if TYPE_CHECKING:
     from belief_lm.config import Config
 
 TEMPLATE = Path(__file__).with_name("pretrain.sbatch")
 """Shipped inside the package, so an installed belief-lm (not only a checkout) finds it."""
 _SETTINGS = re.compile(r"^# >>> settings\n.*?^# <<< settings\n", re.M | re.S)
+_EXIT_CODES = re.compile(r"^# >>> exit codes\n.*?^# <<< exit codes\n", re.M | re.S)
+
+
+class SubmitError(RuntimeError):
+    """sbatch could not be run, or refused the job (the message says why)."""
+
+
+def exit_code_settings() -> str:
+    """The template's exit-code block: the codes the job script acts on, from
+    belief_lm.exit_codes."""
+    not_restarted = " ".join(map(str, exit_codes.NOT_RESTARTED))
+    return (
+        "# >>> exit codes\n"
+        f"REQUEUE_EXIT_CODE={exit_codes.PREEMPTED} # PREEMPTED: saved on a stop request; "
+        "run again and it resumes\n"
+        f"PEER_LOST_EXIT_CODE={exit_codes.PEER_LOST} # PEER_LOST: another task was lost "
+        "(silent or dead)\n"
+        f"NOT_RESTARTED=({not_restarted}) # NOT_RESTARTED: ends that a restart in place would "
+        "not change\n"
+        "# <<< exit codes\n"
+    )
 
 
 def log_dir(cfg: Config) -> Path:
@@ -84,25 +109,34 @@ def render(cfg: Config, train_args: list[str], command: str | None = None) -> st
     first = next(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
     body = [line for line in lines if not line.startswith("#SBATCH")]
     body[first:first] = [f"#SBATCH {option}" for option in sbatch_options(cfg)]
-    script, count = _SETTINGS.subn(lambda _: "\n".join(settings) + "\n", "\n".join(body) + "\n")
-    if count != 1:
-        raise RuntimeError(f"{TEMPLATE} has no settings block to fill in")
+    script = "\n".join(body) + "\n"
+    for name, block, text in (
+        ("settings", _SETTINGS, "\n".join(settings) + "\n"),
+        ("exit codes", _EXIT_CODES, exit_code_settings()),
+    ):
+        script, count = block.subn(lambda _, text=text: text, script)
+        if count != 1:
+            raise RuntimeError(f"{TEMPLATE} has no {name} block to fill in")
     return script
 
 
 def submit(cfg: Config, script: str) -> tuple[int, Path]:
     """Submit the script with sbatch; returns the job id and the job's log file, beside
-    which the submitted script is kept (<job name>-<job id>.sbatch)."""
+    which the submitted script is kept (<job name>-<job id>.sbatch). SubmitError if sbatch
+    cannot be run or refuses the job."""
     logs = log_dir(cfg)
-    logs.mkdir(parents=True, exist_ok=True)  # SLURM does not create the log directory
-    out = subprocess.run(
-        ["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=60
-    )
-    if out.returncode:
-        raise RuntimeError(f"sbatch failed ({out.returncode}): {out.stderr.strip()}")
-    job_id = int(out.stdout.strip().split(";")[0])  # "JOBID" or "JOBID;CLUSTER"
-    name = f"{job_name(cfg)}-{job_id}"
-    (logs / f"{name}.sbatch").write_text(script)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)  # SLURM does not create the log directory
+        out = subprocess.run(
+            ["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=60
+        )
+        if out.returncode:
+            raise SubmitError(f"sbatch failed ({out.returncode}): {out.stderr.strip()}")
+        job_id = int(out.stdout.strip().split(";")[0])  # "JOBID" or "JOBID;CLUSTER"
+        name = f"{job_name(cfg)}-{job_id}"
+        (logs / f"{name}.sbatch").write_text(script)
+    except OSError as err:  # no sbatch here, or the log directory cannot be written
+        raise SubmitError(str(err)) from err
     return job_id, logs / f"{name}.out"
 
 

@@ -1,12 +1,23 @@
-"""Shared fixtures: CPU DeepSpeed, a one-process gloo group with megatron's groups."""
+"""Shared fixtures: CPU DeepSpeed, a one-process gloo group with megatron's groups; and
+the split of the suite between pytest-xdist's workers (pyproject: `-n 2 --dist loadgroup`)."""
 
 from __future__ import annotations
 
+import collections
+import json
 import os
+import shutil
+import tempfile
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports deepspeed
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers / lm-eval: local files only
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+"""pytest-xdist's worker processes running the suite side by side (1: no xdist)."""
+if WORKERS > 1:  # each worker's torch takes its share of the cores, not all of them: OpenMP
+    # threads of two workers on the same cores wait on each other (before torch is imported)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
 warnings.filterwarnings("ignore")
 
 import pytest  # noqa: E402
@@ -119,3 +130,139 @@ def make_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
         return step
 
     return make
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory, small_tokenizer, single_process_group):
+    """A real checkpoint: 3 steps of `belief-lm train`'s training loop on a tiny model
+    (ZeRO-1: model and optimizer states, run_state/rank00000.pt, data_state.pt)."""
+    import json
+    from pydoc_data.topics import topics
+
+    from belief_lm.config import load_config
+    from belief_lm.train.loop import train
+    from tests.jobs import MICRO
+
+    root = tmp_path_factory.mktemp("trained")
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
+    cfg = load_config(
+        MICRO,
+        [
+            "model.hidden_size=32", "model.ffn_hidden_size=64", "train.micro_batch_size=4",
+            "train.global_batch_size=4", "train.max_steps=3", "train.warmup_steps=1",
+            f"data.sources=[{docs}]", f"data.tokenizer.path={small_tokenizer.path}",
+            "data.num_workers=0", f"run.output_dir={root / 'run'}",
+        ],
+    )  # fmt: skip
+    train(cfg)
+    return root / "run" / "checkpoints" / "step_000003"
+
+
+PER_WORKER = {"single_process_group", "cache_dir", "small_tokenizer", "make_checkpoint",
+              "embedded_tokenizer"}  # fmt: skip
+"""Session fixtures cheap enough for each xdist worker to make its own (a process group of
+one, a tokenizer trained in about a second); every other session- or module-scoped
+fixture (a training run, a multi-rank job) is made once, on one worker."""
+
+
+GROUPS_FILE = "BELIEF_LM_TEST_GROUPS"
+"""The variable naming the file where xdist's workers write each test's group for the
+scheduler (FixtureGroups). xdist 3.8 tells its scheduler a test's xdist_group by renaming
+the test's `_nodeid`, which pytest 9.2 no longer reads (node ids are derived anew), so
+every test would go wherever a worker is free."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        folder = Path(tempfile.mkdtemp(prefix="belief-lm-test-groups-"))
+        os.environ[GROUPS_FILE] = str(folder / "groups.json")  # the workers inherit it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if os.environ.get(GROUPS_FILE) and not hasattr(config, "workerinput"):
+        shutil.rmtree(Path(os.environ.pop(GROUPS_FILE)).parent, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (firstresult)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` with the groups the workers wrote to GROUPS_FILE."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FixtureGroups(LoadGroupScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # written before the workers reported their collections
+                path = Path(os.environ.get(GROUPS_FILE, "/nonexistent"))
+                self.groups = json.loads(path.read_text()) if path.is_file() else {}
+            if nodeid.startswith("tests/infra/"):  # one cluster, one dockerd: whatever happens
+                return "infra"
+            return self.groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return FixtureGroups(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks (its own modifyitems)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep the tests that share an expensive fixture on one xdist worker (`--dist loadgroup`
+    sends each group to one worker; a test of no group goes wherever a worker is free), and
+    order the work xdist hands out (`--no-loadscope-reorder`: in this order): tests/infra
+    first (the longest chain, mostly waiting on SLURM), then the other groups, largest first,
+    then the single tests, which fill in at the end. Without xdist the groups change nothing."""
+    groups = fixture_groups(items)
+    for item, group in groups.items():
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if os.environ.get(GROUPS_FILE):  # every worker writes the same, whole
+        path = Path(os.environ[GROUPS_FILE])
+        written = path.with_name(f"{os.getpid()}.json")
+        written.write_text(json.dumps({i.nodeid: g for i, g in groups.items() if g is not None}))
+        os.replace(written, path)
+    size = collections.Counter(groups.values())
+    position = {item: index for index, item in enumerate(items)}
+    first = {}  # where each group begins now
+    for item in items:
+        first.setdefault(groups[item], position[item])
+
+    def rank(item: pytest.Item) -> tuple:
+        group = groups[item]
+        if group is None:
+            return (1, 1, 0, position[item])
+        return (group != "infra", 0, -size[group], first[group])
+
+    items.sort(key=rank)  # stable: a group's tests keep their order
+
+
+def fixture_groups(items: list[pytest.Item]) -> dict[pytest.Item, str | None]:
+    """Each test's xdist group: tests are joined when they use the same session-scoped
+    fixture not in PER_WORKER, or the same module- or class-scoped fixture in the same
+    module; tests/infra (one SLURM cluster, one dockerd on the machine) is one group,
+    "infra". None for a test that shares nothing expensive."""
+    parent = {}
+
+    def where(path: Path) -> str:  # a group's name: "parallel/test_equivalence.zero_stages"
+        return str(path.relative_to(Path(__file__).parent).with_suffix(""))
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    shared = {}
+    for item in items:
+        keys = ["infra"] if item.nodeid.startswith("tests/infra/") else []
+        # pytest's resolved fixtures of the item (its closure: fixtures' fixtures too); ours
+        # only (pytest's and plugins' own, e.g. tmp_path_factory, have no base id)
+        for name, definitions in item._fixtureinfo.name2fixturedefs.items():
+            scope = definitions[-1].scope if definitions[-1].baseid else "theirs"
+            if scope == "session" and name not in PER_WORKER:
+                keys.append(name)
+            elif scope in ("module", "class"):
+                keys.append(f"{where(item.path)}.{name}")
+            elif scope == "package":
+                keys.append(f"{where(item.path.parent)}.{name}")
+        for key in keys[1:]:
+            parent[find(key)] = find(keys[0])
+        shared[item] = keys
+    return {item: find(keys[0]) if keys else None for item, keys in shared.items()}

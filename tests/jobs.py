@@ -3,8 +3,10 @@ environment, always under a timeout that also stops torchrun's ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,20 +59,32 @@ def start_cli(*args: str, nproc: int = 1, env: dict | None = None, **popen) -> s
 
 def stop_job(job: subprocess.Popen) -> None:
     """Stop a job that may run torchrun. torchrun's ranks run in sessions of their own, out
-    of reach of a kill aimed at torchrun: SIGTERM lets it stop them; SIGKILL only if not."""
+    of reach of a kill aimed at torchrun: SIGTERM lets it stop them; SIGKILL only if not,
+    then to the job's whole process group when it leads one (a worker pool's processes hold
+    the job's pipes open after the job itself is gone), and the wait for them is bounded."""
     job.terminate()
     try:
         job.communicate(timeout=30)
+        return
     except subprocess.TimeoutExpired:
         job.kill()
-        job.communicate()
+    with contextlib.suppress(ProcessLookupError):  # not yet reaped: its group id is readable
+        if os.getpgid(job.pid) == job.pid:
+            os.killpg(job.pid, signal.SIGKILL)
+    try:
+        job.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        for pipe in (job.stdout, job.stderr):
+            if pipe:
+                pipe.close()
 
 
 def run_job(command: list[str], timeout: float, **options) -> subprocess.CompletedProcess:
     """subprocess.run(command, capture_output=True, text=True) that, on timeout, stops the
-    job with stop_job (subprocess.run's SIGKILL to torchrun alone leaves its ranks running)."""
+    job with stop_job (subprocess.run's SIGKILL to torchrun alone leaves its ranks running);
+    the job leads a process group of its own, so that stop can reach all it started."""
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    job = subprocess.Popen(command, **pipes, **options)
+    job = subprocess.Popen(command, **pipes, start_new_session=True, **options)
     try:
         stdout, stderr = job.communicate(timeout=timeout)
     except BaseException:  # the timeout, or pytest-timeout / Ctrl-C interrupting the wait

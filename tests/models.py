@@ -1,5 +1,8 @@
 """Small model configurations the tests share: the two architecture families at the size
-of make_checkpoint (tests/conftest.py), and random token ids from the small tokenizer."""
+of make_checkpoint (tests/conftest.py), random token ids from the small tokenizer, the
+presets, and building a model as one rank of a tensor-parallel group without the group."""
+
+import contextlib
 
 import torch
 
@@ -32,6 +35,45 @@ VARIANTS_AND_ARCHITECTURES = [(variant, "llama") for variant in VARIANTS] + [
     ("attention_bn_sh", "gpt2"),
 ]
 """Every variant at the harder architecture (RoPE, GQA), two at the other (learned positions)."""
+
+
+def preset(name: str, **updates) -> ModelConfig:
+    """The model of configs/model/<name>.yaml, with `updates`."""
+    return load_config(f"configs/model/{name}.yaml").model.model_copy(update=updates)
+
+
+class StandInGroup:
+    """What megatron 0.16's layers ask of their tensor-parallel group while being built:
+    its size and this rank's place in it (they read them from the group object, through
+    get_pg_size / get_pg_rank, not from parallel_state's world-size setters)."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@contextlib.contextmanager
+def tensor_parallel_rank(size: int, rank: int):
+    """Build as rank `rank` of `size` tensor-parallel ranks: a stand-in group in
+    parallel_state, and its world-size / rank setters for code that asks them; all
+    restored afterwards."""
+    from megatron.core import parallel_state as ps
+
+    saved = ps._TENSOR_MODEL_PARALLEL_GROUP
+    ps._TENSOR_MODEL_PARALLEL_GROUP = StandInGroup(size, rank)
+    ps.set_tensor_model_parallel_world_size(size)
+    ps.set_tensor_model_parallel_rank(rank)
+    try:
+        yield
+    finally:
+        ps._TENSOR_MODEL_PARALLEL_GROUP = saved
+        ps.set_tensor_model_parallel_world_size(None)
+        ps.set_tensor_model_parallel_rank(None)
 
 
 def tokens(n: int, seed: int = 0, rows: int = 2) -> torch.Tensor:

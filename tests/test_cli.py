@@ -70,22 +70,3 @@ def test_evaluate_refuses_a_bad_checkpoint(tmp_path, checkpoint):
     assert out.returncode == 2
     expected = "does not exist" if checkpoint == "missing" else "incomplete (no run.json)"
     assert expected in out.stderr and "Traceback" not in out.stderr
-
-
-def test_a_library_value_error_is_a_failure_not_bad_input(capsys):
-    """Exit code 2 says belief-lm's own checks refused the input before any work; a
-    ValueError raised inside a library (here torch's) is a failure: raised on, for a
-    traceback and exit code 1."""
-    import torch
-
-    from belief_lm import cli
-    from belief_lm.config import load_config
-
-    with pytest.raises(ValueError) as library:
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=-1)  # torch's own check
-    with pytest.raises(ValueError, match="Invalid learning rate"):
-        cli.bad_input_exit(library.value)
-    with pytest.raises(ValueError) as ours:
-        load_config(None, ["model.atention=x"])
-    assert cli.bad_input_exit(ours.value) == 2
-    assert "model.atention: unknown key" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from belief_lm import compat
 from belief_lm.config import load_config
+from tests.checkpoint.damage import poison
 from tests.jobs import MICRO, ROOT
 from tests.models import trainee_for
 
@@ -108,3 +109,92 @@ def test_deepspeed_names_its_checkpoint_files_as_consolidate_reads_them(
         "DeepSpeed's ZeRO file names changed: consolidate.py reads them"
     )
     engine.destroy()
+
+
+def saved_engine(grid, tmp_path, tag: str, *overrides: str):
+    """A one-layer engine of configs/test/micro.yaml with `overrides`, saved after a step
+    as the trainer saves (the universal converter's sharding info in its client state)."""
+    from belief_lm.checkpoint.universal import universal_info
+
+    cfg = load_config(ROOT / MICRO, ["model.num_layers=1", *overrides])
+    trainee = trainee_for(cfg, grid, 256)
+    rows = torch.randint(0, 256, (cfg.train.micro_batch_size, 17))
+    trainee.train_step(iter([(rows[:, :-1], rows[:, 1:])] * 8))  # the optimizer's state
+    engine = trainee.engine
+    info = {"universal_checkpoint_info": universal_info(cfg.model)}
+    engine.save_checkpoint(str(tmp_path), tag=tag, client_state=info)
+    engine.destroy()
+    return cfg, tmp_path / tag
+
+
+def test_deepspeed_pickles_only_the_classes_we_allow(single_process_group, tmp_path):
+    """Every file DeepSpeed writes at ZeRO 0-3 needs nothing beyond loading.ALLOWED, and
+    each allowed class is one it writes (the list stays minimal)."""
+    from belief_lm.checkpoint import loading
+
+    needed = set()
+    for stage in (0, 1, 2, 3):
+        _, step = saved_engine(single_process_group, tmp_path, f"zero{stage}",
+                               f"parallel.zero_stage={stage}")  # fmt: skip
+        assert loading.refusals(step) == [], f"ZeRO-{stage}: DeepSpeed pickles another class"
+        for file in step.glob("*.pt"):
+            needed.update(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+    allowed = {f"{t.__module__}.{t.__qualname__}" for t in compat.deepspeed_checkpoint_types()}
+    assert needed == allowed, (
+        "compat.deepspeed_checkpoint_types lists a class DeepSpeed no longer writes"
+    )
+
+
+def test_deepspeed_reads_checkpoints_with_torch_load_by_its_name():
+    """compat.deepspeed_loads_through replaces `torch.load`: DeepSpeed must call it by that
+    name (never bind torch.load or torch.serialization.load to another)."""
+    import importlib
+    from pathlib import Path
+
+    import deepspeed
+
+    for name in compat.DEEPSPEED_DIRECT_LOADS:
+        assert "torch.load(" in inspect.getsource(importlib.import_module(name)), name
+    for path in Path(deepspeed.__file__).parent.rglob("*.py"):
+        source = path.read_text(errors="replace")
+        for other in ("from torch import load", "torch.serialization.load(", "= torch.load\n"):
+            assert other not in source, f"{path}: {other!r}: compat.deepspeed_loads_through"
+
+
+def test_deepspeeds_own_loads_go_through_the_route(single_process_group, tmp_path):
+    """zero_to_fp32 (consolidate.py's ZeRO-3 weights), the universal converter (its own
+    process, whose workers fork) and the ZeRO optimizer's universal loading, given a
+    poisoned file through compat.deepspeed_loads_through(loading.load): refused, never run."""
+    import functools
+    import multiprocessing
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from belief_lm.checkpoint import loading
+    from belief_lm.checkpoint.universal import convert
+
+    marker = tmp_path / "marker"
+    refused = functools.partial(pytest.raises, loading.RefusedFile, match="builtins.exec")
+    _, zero3 = saved_engine(single_process_group, tmp_path / "z3", "step", "parallel.zero_stage=3")
+    poison(next(zero3.glob(compat.optim_states_pattern(0))), marker)
+    with refused(), compat.deepspeed_loads_through(loading.load):
+        get_fp32_state_dict_from_zero_checkpoint(str(zero3.parent), tag=zero3.name)
+
+    assert multiprocessing.get_start_method() == "fork", (
+        "ds_to_universal's worker processes no longer fork: they would not inherit "
+        "compat.deepspeed_loads_through (universal.convert still forces weights-only loads)"
+    )
+    cfg, zero1 = saved_engine(single_process_group, tmp_path / "z1", "step")
+    (zero1 / "run_state").mkdir()  # (what the converter copies from a trainer's checkpoint)
+    universal = convert(zero1, tmp_path / "universal", cfg.model)
+    optimizer = next(zero1.glob(compat.optim_states_pattern(0)))
+    poison(optimizer, marker)
+    with refused():
+        convert(zero1, tmp_path / "universal-2", cfg.model)
+    param = sorted(p for p in (universal / "zero").iterdir() if p.is_dir())[0]
+    poison(param / "exp_avg.pt", marker)
+    engine = trainee_for(cfg, single_process_group, 256, load_universal=True).engine
+    with refused(), compat.deepspeed_loads_through(loading.load):
+        engine.load_checkpoint(str(universal.parent), tag=universal.name)
+    engine.destroy()
+    assert not marker.exists()

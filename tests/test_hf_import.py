@@ -10,6 +10,7 @@ import torch
 
 from belief_lm.cli import main
 from belief_lm.hf_import import import_hf
+from tests.checkpoint.damage import Payload
 from tests.jobs import MICRO, ROOT
 
 LLAMA = {
@@ -31,13 +32,28 @@ def llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
+    return perturbed_and_saved(LlamaForCausalLM(LlamaConfig(**LLAMA)), tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A Qwen3ForCausalLM (a Llama with q_norm and k_norm per head, before RoPE) of the
+    same shape, random weights (its norms' too), saved by save_pretrained."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(1)
+    return perturbed_and_saved(Qwen3ForCausalLM(Qwen3Config(**LLAMA, head_dim=8)), tmp_path_factory)
+
+
+def perturbed_and_saved(model, tmp_path_factory) -> tuple:
+    """(folder, model): `model` with noise of std 0.2 on every weight (norms included, away
+    from their ones), saved by save_pretrained into a new folder."""
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.2 * torch.randn_like(param))
-    folder = tmp_path_factory.mktemp("llama")
+    folder = tmp_path_factory.mktemp(type(model).__name__)
     model.save_pretrained(folder)
-    return folder, model
+    return folder, model.eval()
 
 
 @pytest.fixture
@@ -65,23 +81,44 @@ def test_softmax_computes_the_llamas_logits(llama, run_config, single_process_gr
     assert theirs.abs().max() > 1  # logits far from zero: the comparison means something
 
 
-@pytest.mark.parametrize(("attention", "w_s_layers"), [("belief", 0), ("belief_star", 2)])
+@pytest.mark.parametrize(
+    ("option", "fresh_weights"),
+    [("model.attention=belief", 0), ("model.attention=belief_star", 2), ("model.qk_norm=true", 4)],
+)
+@pytest.mark.usefixtures("single_process_group")  # the fresh model's
 def test_a_belief_variant_takes_the_llamas_weights(
-    llama, run_config, tmp_path, attention, w_s_layers
+    llama, run_config, tmp_path, option, fresh_weights
 ):
-    """Every weight as softmax imports it; belief_star's W^s, which a Llama lacks (one per
-    layer), as a fresh model of run.seed initialises it."""
+    """Every weight as softmax imports it; belief_star's W^s (one per layer) and the
+    QK-norms (two per layer), which a Llama lacks, as a fresh model of run.seed
+    initialises them."""
     from belief_lm.checkpoint.consolidate import consolidate
     from belief_lm.model.gpt import BeliefLM
 
-    cfg = run_config(f"model.attention={attention}")
+    cfg = run_config(option)
     variant = consolidate(import_hf(llama[0], cfg)).state_dict
     plain = consolidate(import_hf(llama[0], run_config(f"run.output_dir={tmp_path}/b"))).state_dict
     fresh = BeliefLM(cfg.model, 512, seed=cfg.run.seed).state_dict()
     for name, tensor in variant.items():
-        expected = fresh[name] if name.endswith("w_s.weight") else plain[name]
-        assert torch.equal(tensor, expected), name
-    assert sum(name.endswith("w_s.weight") for name in variant) == w_s_layers
+        assert torch.equal(tensor, plain[name] if name in plain else fresh[name]), name
+    assert len(variant.keys() - plain.keys()) == fresh_weights
+
+
+def test_qk_norm_computes_a_qwen3s_logits(qwen3, run_config, tmp_path, single_process_group):
+    """A Qwen3 into a run with model.qk_norm: its q_norm and k_norm are the QK-norms, and
+    the model computes its logits; a run without QK-norm is refused, naming it."""
+    from belief_lm.inference.load import load_model
+
+    folder, hf = qwen3
+    path = import_hf(folder, run_config("model.qk_norm=true"))
+    ids = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = load_model(path, device="cpu").model(ids).transpose(0, 1)
+        theirs = hf(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert theirs.abs().max() > 1
+    with pytest.raises(ValueError, match=r"model\.qk_norm is False, a Qwen3 needs True"):
+        import_hf(folder, run_config(f"run.output_dir={tmp_path / 'plain'}"))
 
 
 def cli_import(folder, *overrides) -> int:
@@ -97,10 +134,13 @@ def cli_import(folder, *overrides) -> int:
         ({"tie_word_embeddings": True}, None, "tie_word_embeddings is True, model.tie_embeddings"),
         ({"vocab_size": 32000}, None, "vocab_size is 32000, the run's vocabulary"),
         ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, None, "is not a Llama"),
+        ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True},
+         "model.qk_norm=true",
+         "use_sliding_window: belief-lm attends to the whole context"),
         ({}, "model.normalization=LayerNorm", "model.normalization is 'LayerNorm', a Llama"),
         ({}, "model.num_layers=3", "num_hidden_layers is 2, model.num_layers is 3"),
     ],
-    ids=["kv-heads", "rope-theta", "tied", "vocab", "not-llama", "layernorm", "layers"],
+    ids=["kv-heads", "rope-theta", "tied", "vocab", "not-llama", "sliding", "layernorm", "layers"],
 )  # fmt: skip
 def test_a_config_that_does_not_fit_exits_2_naming_the_field(
     llama, small_tokenizer, tmp_path, capsys, change, override, message
@@ -114,6 +154,27 @@ def test_a_config_that_does_not_fit_exits_2_naming_the_field(
     err = capsys.readouterr().err
     assert message in err and str(folder / "config.json") in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_only_safetensors_are_read(llama, small_tokenizer, tmp_path, capsys):
+    """Pickled weights (pytorch_model.bin, here with a payload) are named and refused,
+    never loaded; a corrupt safetensors file or index is exit 2 naming it."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    shutil.copyfile(llama[0] / "config.json", folder / "config.json")
+    marker = tmp_path / "marker"
+    torch.save({"payload": Payload(marker)}, folder / "pytorch_model.bin")
+    run = [f"run.output_dir={tmp_path / 'run'}", f"data.tokenizer.path={small_tokenizer.path}"]
+    assert cli_import(folder, *run) == 2
+    assert "pytorch_model.bin is pickled weights" in capsys.readouterr().err
+    (folder / "model.safetensors").write_bytes(b"\x10" + bytes(7) + b"{not a header")
+    assert cli_import(folder, *run) == 2
+    assert "model.safetensors: not a readable safetensors file" in capsys.readouterr().err
+    index = {"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert cli_import(folder, *run) == 2
+    assert "names files outside" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "run").exists()
 
 
 def test_the_tokenizer_is_the_runs_or_the_checkpoints(llama, small_tokenizer, tmp_path, capsys):

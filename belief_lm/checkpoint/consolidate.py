@@ -11,14 +11,19 @@ The weights are the fp32 master copy wherever the run kept one:
 - ZeRO-0 otherwise: the module's weights, the only copy there is (in fp32 the optimizer
   updates them; in bf16 without a pipeline DeepSpeed updates the bf16 weights in place).
 Model-parallel rank m holds pipeline stage m // TP and tensor-parallel slice m % TP (TP
-innermost); the slices are joined as `universal_info` describes them to DeepSpeed's
-universal converter, and pipeline names are mapped to BeliefLM's.
+innermost); the slices are joined as the model's description (belief_lm.description)
+splits each weight, and pipeline names are mapped to BeliefLM's.
+
+Every file is read weights-only (loading.py), DeepSpeed's zero_to_fp32 included, and
+before any is read the checkpoint is refused if one of DeepSpeed's files (the only ones read
+here) holds more than a checkpoint may.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
+import functools
+import logging
 import sys
 import tempfile
 from collections import defaultdict
@@ -31,6 +36,7 @@ import yaml
 from deepspeed.checkpoint import constants as ds
 
 from belief_lm import compat
+from belief_lm.checkpoint import loading
 from belief_lm.checkpoint.files import (
     CheckpointError,
     CheckpointInfo,
@@ -39,10 +45,12 @@ from belief_lm.checkpoint.files import (
     problems,
     read_info,
 )
-from belief_lm.checkpoint.universal import universal_info
 from belief_lm.config import Config, ModelConfig
+from belief_lm.description import Weight, describe
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.model.pipeline import canonical_name
+
+log = logging.getLogger("belief_lm.checkpoint")
 
 Slices = dict[str, list[torch.Tensor]]
 """BeliefLM name -> the tensor-parallel slices of one parameter, in TP-rank order."""
@@ -89,17 +97,28 @@ def load_full_state(
             param.copy_(shard_tensor_parallel(state[keys[name]].to(param.dtype), param))
 
 
-def consolidate(path: str | Path, verify: bool = True) -> Consolidated:
+def consolidate(path: str | Path, verify: bool = True, trust: bool = False) -> Consolidated:
     """Read checkpoint `path` (a step directory; a run directory: its newest intact
     checkpoint) as a Consolidated model. `verify`: first
     check every file against the manifest (read through once; CheckpointError naming the
-    file if one differs); off only where the caller verified it."""
+    file if one differs) and against what a checkpoint may hold (RefusedFile naming it);
+    off only where the caller verified it. `trust`: load files beyond that with pickle
+    (loading.load), after a warning."""
+    if trust:
+        log.warning(
+            "--trust-checkpoint: a file of the checkpoint holding more than a checkpoint may "
+            "is loaded with pickle, which can run any code it holds"
+        )
     path, judged = named_checkpoint(Path(path).expanduser(), checksums=verify)
     info = read_info(path)
     if verify and not judged:
         found = problems(path, checksums=True)
         if found:
             raise damaged(path, found)
+    if verify:  # DeepSpeed's files, every one of which is read below (none of the rest)
+        names = sorted(p.name for p in path.glob("*_states.pt"))
+        loading.refuse(path, loading.refusals(path, names), trust)
+    load = functools.partial(loading.load, trust=trust)
     try:
         config = Config.model_validate(yaml.safe_load((path / "config.yaml").read_text()))
     except (OSError, yaml.YAMLError, ValueError) as err:
@@ -113,26 +132,28 @@ def consolidate(path: str | Path, verify: bool = True) -> Consolidated:
     slices: Slices = defaultdict(list)
     for tp_rank in range(info.tensor):
         if info.zero_stage == 3:  # no pipeline: model-parallel rank = TP rank
-            stages = [_zero3_masters(path, tp_rank)]
+            stages = [_zero3_masters(path, tp_rank, load)]
         else:
-            module = _module_slice(path, tp_rank, info, config.model)
+            module = _module_slice(path, tp_rank, info, config.model, load)
             stages = [module]
             if masters:
                 ranks = [stage * info.tensor + tp_rank for stage in range(info.pipeline)]
-                stages = [_partitioned_masters(path, r, info, config.model, module) for r in ranks]
+                stages = [
+                    _partitioned_masters(path, r, info, config.model, module, load) for r in ranks
+                ]
         whole_slice: dict[str, torch.Tensor] = {}
         for stage in stages:  # a tied embedding is on two stages: the first one's
             for name, tensor in stage.items():
                 whole_slice.setdefault(name, tensor)
         for name, tensor in whole_slice.items():
             slices[name].append(tensor.float())
-    sharding = universal_info(config.model)
-    state = {name: _join(name, parts, sharding) for name, parts in slices.items()}
+    described = {w.name: w for w in describe(config.model, info.vocab_size).weights()}
+    state = {name: _join(path, name, parts, described) for name, parts in slices.items()}
     return Consolidated(path, info, config, state, tokenizer)
 
 
 def _module_slice(
-    path: Path, tp_rank: int, info: CheckpointInfo, model: ModelConfig
+    path: Path, tp_rank: int, info: CheckpointInfo, model: ModelConfig, load: Callable
 ) -> dict[str, torch.Tensor]:
     """Tensor-parallel slice `tp_rank` of the module's weights (every stage's): DeepSpeed's
     model-state file, or with a pipeline the layer files `layer_<index>-model_<tp rank>`."""
@@ -140,19 +161,19 @@ def _module_slice(
         file = path / compat.model_states_name(tp_rank)
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} has no {file.name}")
-        return _canonical(_load(file)["module"], info, model)
+        return _canonical(load(file, "cpu")["module"], info, model)
     layers = sorted(path.glob(compat.layer_states_pattern(tp_rank)))
     if not layers:
         raise CheckpointError(f"checkpoint {path} has no layer files of tensor rank {tp_rank}")
     state = {}
     for file in layers:
         index = compat.layer_index(file.name)
-        state.update({f"{index}.{key}": value for key, value in _load(file).items()})
+        state.update({f"{index}.{key}": value for key, value in load(file, "cpu").items()})
     return _canonical(state, info, model)
 
 
 def _partitioned_masters(
-    path: Path, rank: int, info: CheckpointInfo, model: ModelConfig, module: dict
+    path: Path, rank: int, info: CheckpointInfo, model: ModelConfig, module: dict, load: Callable
 ) -> dict[str, torch.Tensor]:
     """Model-parallel rank `rank`'s fp32 masters from ZeRO-1/2 or bf16-optimizer files: its
     data-parallel ranks' flat fp32 partitions, cut where DeepSpeed's param_slice_mappings
@@ -169,7 +190,7 @@ def _partitioned_masters(
         )
     pieces = defaultdict(list)  # name -> its fragments, in data-parallel rank order
     for file in files:
-        state = torch.load(file, map_location="cpu", mmap=True, weights_only=False)
+        state = load(file, "cpu", mmap=True)
         optimizer = state[ds.OPTIMIZER_STATE_DICT]
         groups = zip(
             optimizer[ds.SINGLE_PARTITION_OF_FP32_GROUPS], optimizer[ds.PARAM_SLICE_MAPPINGS],
@@ -182,10 +203,10 @@ def _partitioned_masters(
     return {name: tensor.view(module[name].shape) for name, tensor in flat.items()}
 
 
-def _zero3_masters(path: Path, rank: int) -> dict[str, torch.Tensor]:
+def _zero3_masters(path: Path, rank: int, load: Callable) -> dict[str, torch.Tensor]:
     """Model-parallel rank `rank`'s fp32 masters from ZeRO-3 files, merged over its
     data-parallel ranks by DeepSpeed's zero_to_fp32 (which reads every file of a
-    directory: it is given a view of this rank's files)."""
+    directory: it is given a view of this rank's files, and reads them through `load`)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="consolidate-") as tmp:
@@ -194,17 +215,15 @@ def _zero3_masters(path: Path, rank: int) -> dict[str, torch.Tensor]:
         for file in path.glob(compat.optim_states_pattern(rank, kind="*")):
             (view / file.name).symlink_to(file.resolve())
         # stdout belongs to the commands' output (generated text, JSON): its prints go aside
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), compat.deepspeed_loads_through(load):
             try:
                 return get_fp32_state_dict_from_zero_checkpoint(tmp, tag=path.name)
+            except loading.RefusedFile:
+                raise
             except (FileNotFoundError, ValueError) as err:
                 raise CheckpointError(
                     f"checkpoint {path}: model-parallel rank {rank}: {err}"
                 ) from None
-
-
-def _load(file: Path) -> dict:
-    return torch.load(file, map_location="cpu", weights_only=False)
 
 
 def _canonical(state: dict, info: CheckpointInfo, model: ModelConfig) -> dict[str, torch.Tensor]:
@@ -218,19 +237,15 @@ def _canonical(state: dict, info: CheckpointInfo, model: ModelConfig) -> dict[st
     }
 
 
-def _join(name: str, parts: list[torch.Tensor], sharding: dict) -> torch.Tensor:
-    """The whole parameter from its tensor-parallel slices: replicated (any slice),
-    row-parallel (joined along dim 1), a SwiGLU fc1 ([gate_r; up_r] on each rank) or
-    column-parallel (dim 0, the default, vocabulary-parallel embeddings included)."""
+def _join(path: Path, name: str, parts: list[torch.Tensor], described: dict[str, Weight]):
+    """The whole parameter from its tensor-parallel slices, joined as the description
+    splits it: replicated (any slice), or along its split's dim (a SwiGLU fc1 holds
+    [gate_r; up_r] on each rank)."""
+    from belief_lm.parallel.gather import join_shards
 
-    def sharded(key: str) -> bool:
-        return any(re.match(pattern, name) for pattern in sharding.get(key, ()))
-
-    if len(parts) == 1 or sharded(ds.TP_REPLICATED_PARAMETER_PATTERNS):
+    if name not in described:
+        raise CheckpointError(f"checkpoint {path}: parameter {name} is not in its config's model")
+    split = described[name].split
+    if len(parts) == 1 or split is None:
         return parts[0]
-    if sharded(ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS):
-        return torch.cat(parts, dim=1)
-    if sharded(ds.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0):
-        halves = [part.chunk(2, dim=0) for part in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(parts, dim=0)
+    return join_shards(parts, split.dim, split.stride)

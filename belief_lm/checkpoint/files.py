@@ -25,10 +25,11 @@ import json
 import logging
 import re
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from belief_lm.checkpoint import manifest
+from belief_lm.errors import BadInput
 
 log = logging.getLogger("belief_lm.checkpoint")
 
@@ -52,7 +53,7 @@ class CheckpointInfo:
     """Only the model's weights (no optimizer, RNG or data state): an imported model."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     """A checkpoint that is missing, incomplete, corrupt or incompatible (named)."""
 
 
@@ -74,8 +75,16 @@ def read_info(path: Path) -> CheckpointInfo:
         raise CheckpointError(f"checkpoint {path} is incomplete (no run.json): not loading it")
     try:
         info = CheckpointInfo(**json.loads(meta.read_text()))
-    except (json.JSONDecodeError, TypeError) as err:
+    except (ValueError, TypeError) as err:  # not JSON, not UTF-8, not an object, unknown keys
         raise CheckpointError(f"checkpoint {path}: corrupt run.json ({err})") from None
+    wrong = [
+        f"{f.name}={getattr(info, f.name)!r}"
+        for f in fields(CheckpointInfo)
+        if type(getattr(info, f.name)) is not (bool if f.type == "bool" else int)
+        or (f.type == "int" and getattr(info, f.name) < 0)
+    ]
+    if wrong:
+        raise CheckpointError(f"checkpoint {path}: corrupt run.json ({', '.join(wrong)})")
     if not info.complete:
         raise CheckpointError(f"checkpoint {path} is marked incomplete")
     return info
@@ -125,7 +134,7 @@ def damaged(path: Path, found: list[str]) -> CheckpointError:
     return CheckpointError(f"checkpoint {path} is damaged: {'; '.join(found)}")
 
 
-class LatestError(ValueError):
+class LatestError(BadInput):
     """`latest` exists but does not name a checkpoint (the message says why)."""
 
 

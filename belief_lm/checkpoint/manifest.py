@@ -21,8 +21,10 @@ import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import BinaryIO
+
+from belief_lm.errors import BadInput
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -120,7 +122,7 @@ def seal(directory: Path) -> None:
     write_manifest(directory, {p.relative_to(directory).as_posix(): file_record(p) for p in names})
 
 
-class ManifestError(ValueError):
+class ManifestError(BadInput):
     """manifest.json is missing or unreadable (the message says which)."""
 
 
@@ -133,7 +135,10 @@ def read_manifest(directory: Path) -> dict[str, FileRecord]:
         files = body["files"]
         if body["format"] != FORMAT or f"{_crc_of(files):08x}" != body["files_crc32"]:
             raise ValueError("its own checksum does not match")
-        return {name: FileRecord(f["size"], int(f["crc32"], 16)) for name, f in files.items()}
+        records = {name: FileRecord(f["size"], int(f["crc32"], 16)) for name, f in files.items()}
+        for name, record in records.items():
+            _check_entry(name, record)
+        return records
     except FileNotFoundError:
         raise ManifestError(
             f"{MANIFEST} is missing (the save did not finish, or an earlier belief-lm "
@@ -141,6 +146,15 @@ def read_manifest(directory: Path) -> dict[str, FileRecord]:
         ) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ManifestError(f"{MANIFEST} is corrupt ({err})") from None
+
+
+def _check_entry(name: str, record: FileRecord) -> None:
+    """BadInput unless `name` is a path inside the checkpoint and `record` a size."""
+    parts = PurePosixPath(name).parts
+    if not parts or parts[0] == "/" or ".." in parts or "\\" in name:
+        raise BadInput(f"it lists {name!r}, not a file inside the checkpoint")
+    if type(record.size) is not int or record.size < 0:
+        raise BadInput(f"it gives {name} the size {record.size!r}")
 
 
 def _crc_of(files: dict) -> int:

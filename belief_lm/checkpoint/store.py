@@ -56,19 +56,33 @@ log = logging.getLogger("belief_lm.checkpoint")
 
 
 def rng_state() -> dict:
+    """This process's RNG states as plain values and tensors (what a checkpoint may hold:
+    loading.py): Python's is a tuple of ints, NumPy's key array a tensor."""
+    name, key, position, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "bit_generator": str(name), "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(position), "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
-    }
+    }  # fmt: skip
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore `rng_state()`'s (or an earlier belief-lm's, whose NumPy state was NumPy's
+    own tuple)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    saved = state["numpy"]
+    if isinstance(saved, dict):
+        key = saved["key"].numpy().astype(np.uint32)
+        saved = (saved["bit_generator"], key, saved["pos"], saved["has_gauss"],
+                 saved["cached_gaussian"])  # fmt: skip
+    np.random.set_state(saved)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -97,7 +111,8 @@ class Checkpointer:
     `keep` intact ones. Collective: every rank makes one and calls its methods at the same
     points. `background`: write in the background (see the module docstring); `group`:
     the host-side (gloo) group the ranks agree in (the process grid's checkpoint_group;
-    None in a job of one process)."""
+    None in a job of one process). `trust`: the engine's loads of files beyond what a
+    checkpoint may hold go ahead with pickle (loading.load)."""
 
     def __init__(
         self,
@@ -106,6 +121,7 @@ class Checkpointer:
         keep: int,
         background: bool = False,
         group: dist.ProcessGroup | None = None,
+        trust: bool = False,
     ):
         if group is None and dist.get_world_size() > 1:
             raise ValueError(
@@ -114,7 +130,7 @@ class Checkpointer:
         self.engine = engine
         self.root = root
         self.keep = keep
-        self.writer = CheckpointWriter(background)
+        self.writer = CheckpointWriter(background, trust)
         install(engine, self.writer)
         self.pending: Pending | None = None
         self.group = group

@@ -1,15 +1,19 @@
 """`belief-lm checkpoint verify RUN_DIR`: every checkpoint of a run judged against its
-manifest, intact or damaged (and why), and the one a resume would take. Torch-free.
+manifest, intact or damaged (and why), and the one a resume would take. With checksums, an
+intact checkpoint's torch files are also held to what a checkpoint may hold
+(belief_lm/checkpoint/loading.py: their pickles read, none of it run; this imports torch,
+the module itself does not): one beyond it is refused by every command that loads it.
 
-Exit code (the command's): 0 when the newest checkpoint (the highest step) is intact, 2
-when it is damaged or there is none, so a job script can check a run before requeueing it.
+Exit code (the command's): 0 when the newest checkpoint (the highest step) is intact and
+not refused, 2 when it is damaged, refused or there is none, so a job script can check a
+run before requeueing it.
 `belief-lm checkpoint seal STEP_DIR` gives a checkpoint saved before manifests existed its
 manifest, trusting its files as they are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from belief_lm.checkpoint import manifest
@@ -35,6 +39,9 @@ class Verdict:
     """Files its manifest lists (0 without a readable manifest)."""
     size: int
     """Their bytes."""
+    refused: list[str] = field(default_factory=list)
+    """Files holding more than a checkpoint may (loading.refusals; checked with checksums,
+    on an intact checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,11 @@ class RunCheck:
     def newest_intact(self) -> bool:
         return bool(self.verdicts) and not self.verdicts[0].problems
 
+    @property
+    def newest_loadable(self) -> bool:
+        """The newest checkpoint is intact and none of its files is refused."""
+        return self.newest_intact and not self.verdicts[0].refused
+
 
 def check_run(
     run_dir: str | Path, checksums: bool = True, workers: int = manifest.WORKERS
@@ -62,7 +74,13 @@ def check_run(
         except manifest.ManifestError:
             records = {}
         size = sum(record.size for record in records.values())
-        verdicts.append(Verdict(path, problems(path, checksums, workers), len(records), size))
+        found = problems(path, checksums, workers)
+        refused = []
+        if checksums and not found:
+            from belief_lm.checkpoint.loading import refusals  # torch: only when checking
+
+            refused = refusals(path, sorted(records))
+        verdicts.append(Verdict(path, found, len(records), size, refused))
     known = {verdict.path: verdict.problems for verdict in verdicts}
     return RunCheck(root, verdicts, choose_checkpoint(root, known.__getitem__))
 
@@ -78,16 +96,22 @@ def report(check: RunCheck, checksums: bool = True) -> str:
             state = "damaged: " + "; ".join(verdict.problems)
         else:
             state = f"intact ({verdict.files} files, {_size(verdict.size)})"
+        if verdict.refused:
+            state += "; refused: " + "; ".join(verdict.refused)
         lines.append(f"  {verdict.path.name}  {state}")
     if check.choice.latest_problem is not None:
         lines.append(f"  latest: {check.choice.latest_problem}")
     taken = check.choice.path
     newest = check.verdicts[0].path.name
     state = "intact" if check.newest_intact else "damaged"
-    lines.append(
-        f"newest checkpoint {newest} is {state}; a resume would take "
-        + (taken.name if taken is not None else "none (no intact checkpoint)")
+    if check.newest_intact and not check.newest_loadable:
+        state = "refused (loading it could run code)"
+    line = f"newest checkpoint {newest} is {state}; a resume would take " + (
+        taken.name if taken is not None else "none (no intact checkpoint)"
     )
+    if taken is not None and any(v.path == taken and v.refused for v in check.verdicts):
+        line += ", and refuse it (exit 2) unless --trust-checkpoint (checkpoint.trust=true)"
+    lines.append(line)
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ DeepSpeed's engine writes every file of a checkpoint through its checkpoint engi
 `CheckpointWriter` is belief-lm's, put in place by `install`:
 - every file is recorded with its size and CRC-32, computed from the bytes on their way
   to the file (no second read), and synced to disk before it counts as written;
+- every file is read back weights-only (`load`: loading.py), never with plain pickle;
 - a writer made with `background=True` may write a checkpoint's files in the background:
   each save says whether it does (`saving(background=...)`, around DeepSpeed's save). Then
   `save` copies the state to host memory and returns; one thread writes the copies in
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
+from belief_lm.checkpoint import loading
 from belief_lm.checkpoint.manifest import ChecksummingFile, FileRecord
 
 HOLD_ENV = "BELIEF_LM_TEST_HOLD_WRITES"
@@ -46,11 +48,14 @@ class CheckpointWriter(CheckpointEngine):
     """DeepSpeed's checkpoint engine for belief-lm (see the module docstring). `records`
     are the files written since the last `take_records`, by path."""
 
-    def __init__(self, background: bool = False):
+    def __init__(self, background: bool = False, trust: bool = False):
         super().__init__()
         self.name = "belief-lm"
         self.background = background
         """Whether this writer can write in the background (a thread of its own)."""
+        self.trust = trust
+        """Whether `load` reads a file beyond what a checkpoint may hold with pickle
+        (loading.load; checkpoint.trust)."""
         self._in_background = False
         """Whether the files of the save in progress go to the background (`saving`)."""
         self.records: dict[Path, FileRecord] = {}
@@ -91,7 +96,7 @@ class CheckpointWriter(CheckpointEngine):
         self._queued.append(self._pool.submit(self._write, Path(path), snapshot, True))
 
     def load(self, path: str, map_location=None):
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return loading.load(path, map_location, trust=self.trust)  # weights-only
 
     def commit(self, info) -> bool:
         return True  # publication is store.py's, once every rank's files are written

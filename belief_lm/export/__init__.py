@@ -7,23 +7,26 @@ import os
 import shutil
 from pathlib import Path
 
+from belief_lm.errors import BadInput
+
 FORMATS = ("hf", "torch")
 
 
-def export(checkpoint: str | Path, fmt: str, output: str | Path) -> Path:
+def export(checkpoint: str | Path, fmt: str, output: str | Path, trust: bool = False) -> Path:
     """Export checkpoint directory `checkpoint` in format `fmt` ('hf': a folder, 'torch': a
     file) to `output`, which must not exist yet. Written under a temporary name and renamed
-    at the end, so `output` is never left half-written. Returns `output`."""
+    at the end, so `output` is never left half-written. Returns `output`. `trust`: see
+    consolidate."""
     if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(FORMATS)})")
+        raise BadInput(f"unknown export format {fmt!r} (known: {', '.join(FORMATS)})")
     output = Path(output).expanduser()
     if output.exists():
-        raise ValueError(f"{output} already exists: export to a new path")
+        raise BadInput(f"{output} already exists: export to a new path")
     if not output.parent.is_dir():
-        raise ValueError(f"{output.parent} is not a directory")
+        raise BadInput(f"{output.parent} is not a directory")
     from belief_lm.checkpoint.consolidate import consolidate  # megatron: after the checks
 
-    consolidated = consolidate(checkpoint)
+    consolidated = consolidate(checkpoint, trust=trust)
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -11,15 +11,15 @@
 
 Loads with AutoModelForCausalLM / AutoTokenizer .from_pretrained(OUT, trust_remote_code=True)
 and needs neither belief-lm nor megatron. Weights are renamed and split from megatron's
-layout: the fused QKV is grouped per KV group as [q heads of the group..., k, v], and a
-SwiGLU fc1 holds [gate; up]. The names are Llama's (transformers' LlamaForCausalLM), so
-`from_hf_state_dict`, the way back, also reads a Llama checkpoint (belief_lm/hf_import.py).
+layout as the model's description (belief_lm.description) names them: the fused QKV is
+grouped per KV group as [q heads of the group..., k, v], and a SwiGLU fc1 holds [gate;
+up]. The names are Llama's (transformers' LlamaForCausalLM), so `from_hf_state_dict`, the
+way back through the same table, also reads a Llama checkpoint (belief_lm/hf_import.py).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -30,6 +30,8 @@ from torch import Tensor
 from belief_lm import attention, variants
 from belief_lm.checkpoint.consolidate import Consolidated
 from belief_lm.config import ModelConfig
+from belief_lm.description import ModelDescription, describe
+from belief_lm.errors import BadInput
 from data_pipeline.tokenizer import Tokenizer
 
 TEMPLATE = Path(__file__).with_name("hf_template")
@@ -39,23 +41,6 @@ SHIPPED_CODE = {
     "tokenization_belief_lm.py": TEMPLATE / "tokenization_belief_lm.py",
     "belief_attention.py": Path(attention.__file__),
     "variants.py": Path(variants.__file__),
-}
-
-# megatron module (under the model / under a layer) -> transformers module; QKV and a
-# SwiGLU fc1 are split instead (see hf_state_dict)
-TOP_LEVEL = {
-    "embedding.word_embeddings": "model.embed_tokens",
-    "embedding.position_embeddings": "model.embed_positions",
-    "final_norm": "model.norm",
-    "output_layer": "lm_head",
-}
-IN_LAYER = {
-    "input_layernorm": "input_layernorm",
-    "pre_mlp_layernorm": "post_attention_layernorm",
-    "self_attention.linear_proj": "self_attn.o_proj",
-    "self_attention.linear_proj.w_s": "self_attn.s_proj",
-    "mlp.linear_fc1": "mlp.up_proj",
-    "mlp.linear_fc2": "mlp.down_proj",
 }
 
 
@@ -77,6 +62,7 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer: Tokenizer) -> dict
         "max_position_embeddings": model.seq_length,
         "normalization": model.normalization,
         "norm_epsilon": model.norm_epsilon,
+        "qk_norm": model.qk_norm,
         "activation": model.activation,
         "position_embedding": model.position_embedding,
         "rotary_base": model.rotary_base,
@@ -94,86 +80,71 @@ def hf_config(model: ModelConfig, vocab_size: int, tokenizer: Tokenizer) -> dict
     }
 
 
-def split_qkv(fused: Tensor, heads: int, groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """megatron's fused QKV weight or bias (rows grouped per KV group as [q of the group's
-    heads..., k, v]) as separate q [heads*d], k [groups*d], v [groups*d] rows."""
-    head_dim = fused.shape[0] // (heads + 2 * groups)
-    per_group = heads // groups
-    grouped = fused.reshape(groups, (per_group + 2) * head_dim, *fused.shape[1:])
-    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
-    return tuple(x.reshape(-1, *fused.shape[1:]) for x in (q, k, v))
+def split_rows(fused: Tensor, rows: list[int], groups: int) -> list[Tensor]:
+    """The parts of a weight or bias whose rows (dim 0) hold them grouped: `groups` groups,
+    each with its share of every part's rows in turn (megatron's QKV: per KV group, [q of
+    the group's heads..., k, v]; one group: the parts one after the other). `rows`: each
+    part's rows in all."""
+    rest = fused.shape[1:]
+    grouped = fused.reshape(groups, -1, *rest)
+    parts = grouped.split([count // groups for count in rows], dim=1)
+    return [part.reshape(-1, *rest) for part in parts]
 
 
-def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, heads: int, groups: int) -> Tensor:
-    """megatron's fused QKV weight or bias from separate q, k, v rows (split_qkv's inverse)."""
-    rest = q.shape[1:]
-    grouped = [x.reshape(groups, -1, *rest) for x in (q, k, v)]
+def join_rows(parts: list[Tensor], groups: int) -> Tensor:
+    """The weight or bias whose rows hold `parts` in `groups` groups (split_rows' inverse)."""
+    rest = parts[0].shape[1:]
+    grouped = [part.reshape(groups, -1, *rest) for part in parts]
     return torch.cat(grouped, dim=1).reshape(-1, *rest)
 
 
-def hf_state_dict(state: dict[str, Tensor], model: ModelConfig) -> dict[str, Tensor]:
-    """BeliefLM's whole tensors under the shipped model's names (contiguous copies)."""
-    heads, groups = model.num_attention_heads, model.query_groups
+def hf_state_dict(state: dict[str, Tensor], description: ModelDescription) -> dict[str, Tensor]:
+    """BeliefLM's whole tensors under the shipped model's names (contiguous copies), split
+    and renamed as `description` says. ValueError naming a tensor the description lacks,
+    or a weight `state` lacks."""
+    described = description.weights()
+    unknown = sorted(set(state) - {weight.name for weight in described})
+    if unknown:
+        raise ValueError(f"no counterpart for tensor {', '.join(unknown[:5])}")
     out: dict[str, Tensor] = {}
-    for name, tensor in state.items():
-        module, leaf = name.rsplit(".", 1)
-        layer = re.fullmatch(r"layers\.(\d+)\.(.+)", module)
-        if layer is None:
-            out[f"{_rename(TOP_LEVEL, module, name)}.{leaf}"] = tensor
-            continue
-        prefix, module = f"model.layers.{layer[1]}.", layer[2]
-        if module == "self_attention.linear_qkv":
-            for proj, part in zip("qkv", split_qkv(tensor, heads, groups), strict=True):
-                out[f"{prefix}self_attn.{proj}_proj.{leaf}"] = part
-        elif module == "mlp.linear_fc1" and model.activation == "swiglu":
-            gate, up = tensor.chunk(2, dim=0)
-            out[f"{prefix}mlp.gate_proj.{leaf}"], out[f"{prefix}mlp.up_proj.{leaf}"] = gate, up
-        else:
-            out[f"{prefix}{_rename(IN_LAYER, module, name)}.{leaf}"] = tensor
-    return {k: v.contiguous().clone() for k, v in out.items()}
-
-
-def from_hf_state_dict(state: dict[str, Tensor], model: ModelConfig) -> dict[str, Tensor]:
-    """Tensors under transformers' names (ours, or a Llama's) under BeliefLM's, q/k/v fused
-    and a SwiGLU's gate and up joined (hf_state_dict's inverse). ValueError naming a tensor
-    that has no place in BeliefLM."""
-    heads, groups = model.num_attention_heads, model.query_groups
-    top, in_layer = _inverse(TOP_LEVEL), _inverse(IN_LAYER)
-    if model.activation == "swiglu":
-        del in_layer["mlp.up_proj"]  # joined with gate_proj into fc1 below
-    out: dict[str, Tensor] = {}
-    joined: dict[str, dict[str, Tensor]] = {}  # fused BeliefLM name -> its parts
-    for name, tensor in state.items():
-        module, leaf = name.rsplit(".", 1)
-        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
-        if layer is None:
-            out[f"{_rename(top, module, name)}.{leaf}"] = tensor
-            continue
-        prefix, module = f"layers.{layer[1]}.", layer[2]
-        if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-            joined.setdefault(f"{prefix}self_attention.linear_qkv.{leaf}", {})[module[-6]] = tensor
-        elif module in ("mlp.gate_proj", "mlp.up_proj") and model.activation == "swiglu":
-            joined.setdefault(f"{prefix}mlp.linear_fc1.{leaf}", {})[module[4:-5]] = tensor
-        else:
-            out[f"{prefix}{_rename(in_layer, module, name)}.{leaf}"] = tensor
-    for name, parts in joined.items():
-        if name.endswith(("linear_qkv.weight", "linear_qkv.bias")) and len(parts) == 3:
-            out[name] = fuse_qkv(parts["q"], parts["k"], parts["v"], heads, groups)
-        elif set(parts) == {"gate", "up"}:
-            out[name] = torch.cat((parts["gate"], parts["up"]))
-        else:
-            raise ValueError(f"{name} is incomplete: only {', '.join(sorted(parts))} given")
+    for weight in described:
+        if weight.name not in state:
+            raise ValueError(f"no tensor for weight {weight.name}")
+        rows = [part.rows for part in weight.hf]
+        pieces = split_rows(state[weight.name], rows, weight.hf_groups)
+        for part, piece in zip(weight.hf, pieces, strict=True):
+            out[part.name] = piece.contiguous().clone()
     return out
 
 
-def _inverse(table: dict[str, str]) -> dict[str, str]:
-    return {theirs: ours for ours, theirs in table.items()}
-
-
-def _rename(table: dict[str, str], module: str, name: str) -> str:
-    if module not in table:
-        raise ValueError(f"no counterpart for tensor {name}")
-    return table[module]
+def from_hf_state_dict(
+    state: dict[str, Tensor], description: ModelDescription
+) -> dict[str, Tensor]:
+    """Tensors under transformers' names (ours, or a Llama's) under BeliefLM's, joined as
+    `description` says (hf_state_dict's inverse). A weight none of whose tensors is given
+    is left out (a Llama has no W^s: the caller decides). BadInput naming a tensor that
+    has no place in the model, one of the wrong shape, or a weight only partly given."""
+    given = dict(state)
+    out: dict[str, Tensor] = {}
+    for weight in description.weights():
+        found = [part.name for part in weight.hf if part.name in given]
+        if not found:
+            continue
+        if len(found) < len(weight.hf):
+            raise BadInput(f"{weight.name} is incomplete: only {', '.join(found)} given")
+        parts = [given.pop(part.name) for part in weight.hf]
+        for part, tensor in zip(weight.hf, parts, strict=True):
+            if tuple(tensor.shape) != weight.hf_shape(part):
+                raise BadInput(
+                    f"tensor {part.name}: shape {tuple(tensor.shape)}, the run's model has "
+                    f"{weight.hf_shape(part)}"
+                )
+        out[weight.name] = join_rows(parts, weight.hf_groups)
+    if given:
+        raise BadInput(
+            f"no counterpart in the run's model for tensor {', '.join(sorted(given)[:5])}"
+        )
+    return out
 
 
 def export_hf(checkpoint: Consolidated, output: Path) -> None:
@@ -188,7 +159,8 @@ def export_hf(checkpoint: Consolidated, output: Path) -> None:
     if padding:
         generation["suppress_tokens"] = padding
     _write_json(output / "generation_config.json", generation)
-    weights = hf_state_dict(checkpoint.state_dict, model)
+    description = describe(model, checkpoint.info.vocab_size)
+    weights = hf_state_dict(checkpoint.state_dict, description)
     save_file(weights, output / "model.safetensors", metadata={"format": "pt"})
     for name, source in SHIPPED_CODE.items():
         shutil.copyfile(source, output / name)

@@ -4,7 +4,9 @@
      "info": {"step": ..., "vocab_size": ..., ...}, "state_dict": {BeliefLM name: tensor},
      "tokenizer_model": b"...sentencepiece model bytes..."}
 
-Readable with torch.load(path, weights_only=True); `load_model` rebuilds BeliefLM from it,
+Readable with torch.load(path, weights_only=True) (plain values and tensors only; `read`
+loads it as a checkpoint's files are, belief_lm/checkpoint/loading.py); `load_model`
+rebuilds BeliefLM from it,
 and sentencepiece.SentencePieceProcessor(model_proto=obj["tokenizer_model"]) the tokenizer.
 """
 
@@ -15,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from belief_lm.checkpoint import loading
 from belief_lm.checkpoint.consolidate import Consolidated, load_full_state
 from belief_lm.config import Config
+from belief_lm.errors import BadInput
 from belief_lm.model.gpt import BeliefLM
 
 FORMAT, VERSION = "belief-lm", 1
@@ -38,10 +42,10 @@ def export_torch(checkpoint: Consolidated, output: Path) -> None:
 
 
 def read(path: str | Path) -> dict:
-    """The exported dict (tensors on CPU); ValueError if it is not a belief-lm export."""
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    """The exported dict (tensors on CPU); BadInput if it is not a belief-lm export."""
+    obj = loading.load(path, "cpu")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a belief-lm torch export")
+        raise BadInput(f"{path} is not a belief-lm torch export")
     return obj
 
 

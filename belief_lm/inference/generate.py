@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from belief_lm.errors import BadInput
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -30,11 +32,11 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise BadInput(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top-k must be >= 1, got {self.top_k}")
+            raise BadInput(f"top-k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+            raise BadInput(f"top-p must be in (0, 1], got {self.top_p}")
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -88,7 +90,7 @@ def generate(
     beyond it) are never chosen. The same seed gives the same tokens.
     """
     if not prompt:
-        raise ValueError("the prompt is empty: give at least one token")
+        raise BadInput("the prompt is empty: give at least one token")
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
     ids = list(prompt)

@@ -7,6 +7,9 @@ outside its own package; running the module is lm-eval's command line with it re
     python -m belief_lm.inference.lm_eval_adapter --model belief-lm \\
         --model_args checkpoint=runs/tiny/checkpoints/step_000300 --tasks hellaswag
 
+(model_args `trust_checkpoint=true`: --trust-checkpoint, for a checkpoint you made yourself
+whose files hold more than a checkpoint may: see belief_lm/checkpoint/loading.py.)
+
 From Python: `import belief_lm.inference.lm_eval_adapter` and then
 `lm_eval.simple_evaluate(model="belief-lm", model_args={"checkpoint": ...}, ...)`, or
 `evaluate_tasks(checkpoint, tasks)` (what training's train.eval_tasks run).
@@ -26,6 +29,8 @@ from pathlib import Path
 import torch
 import yaml
 from tqdm import tqdm
+
+from belief_lm.errors import BadInput
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -59,10 +64,12 @@ class BeliefLMEval(TemplateLM):
         batch_size: int | str = 1,
         device: str | None = None,
         seed: int = 1234,
+        trust_checkpoint: bool | str = False,
         **unused,
     ):
         super().__init__()
-        self.loaded = load_model(checkpoint, device or "auto")
+        trust = str(trust_checkpoint).lower() in ("true", "1", "yes")  # model_args are text
+        self.loaded = load_model(checkpoint, device or "auto", trust)
         self.max_length = self.loaded.context_length
         auto = isinstance(batch_size, str) and batch_size.startswith("auto")
         self.batch_size = AUTO_BATCH_SIZE if auto else int(batch_size)
@@ -174,7 +181,7 @@ _TaskYaml.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 def resolve_tasks(tasks: list[str]) -> tuple[list[str], TaskManager]:
     """lm-eval's names for `tasks` (task names, or paths of local task YAML files, whose
-    folders join lm-eval's search path) and a TaskManager that finds them. ValueError
+    folders join lm-eval's search path) and a TaskManager that finds them. BadInput
     naming an unknown task or an unreadable task file."""
     names, folders = [], []
     for task in tasks:
@@ -184,16 +191,16 @@ def resolve_tasks(tasks: list[str]) -> tuple[list[str], TaskManager]:
         try:
             config = yaml.load(Path(task).read_text(), _TaskYaml)  # a SafeLoader
         except (OSError, yaml.YAMLError) as err:
-            raise ValueError(f"task file {task}: {err}") from None
+            raise BadInput(f"task file {task}: {err}") from None
         if not isinstance(config, dict) or not isinstance(config.get("task"), str):
-            raise ValueError(f"task file {task} names no task (its `task:` key)")
+            raise BadInput(f"task file {task} names no task (its `task:` key)")
         names.append(config["task"])
         folders.append(str(Path(task).resolve().parent))
     # lm-eval's own tasks are indexed (seconds) only when a name asks for them
     manager = TaskManager(include_path=folders or None, include_defaults=len(folders) < len(tasks))
     unknown = [name for name in names if not manager.match_tasks([name])]
     if unknown:
-        raise ValueError(f"lm-eval knows no task {', '.join(map(repr, unknown))}")
+        raise BadInput(f"lm-eval knows no task {', '.join(map(repr, unknown))}")
     return names, manager
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from belief_lm.checkpoint.consolidate import Consolidated, consolidate
+from belief_lm.errors import BadInput
 from belief_lm.inference.generate import Sampling, generate
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.parallel.grid import ProcessGrid
@@ -49,10 +50,10 @@ class LoadedModel:
         """Continue the text `prompt` by at most `max_new_tokens` tokens (stopping at EOS);
         `use_cache=False` reruns the model over the whole context at every step."""
         if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+            raise BadInput(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         ids = self.tokenizer.encode(prompt)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise BadInput("the prompt is empty")
         start = time.perf_counter()
         new = generate(
             self.model, ids, max_new_tokens, sampling, context_length=self.context_length,
@@ -64,10 +65,10 @@ class LoadedModel:
         return Completion(text, len(new), seconds, len(new) < max_new_tokens)
 
 
-def load_model(checkpoint: str | Path, device: str = "auto") -> LoadedModel:
+def load_model(checkpoint: str | Path, device: str = "auto", trust: bool = False) -> LoadedModel:
     """Consolidate `checkpoint` (a step directory) and build its model in eval mode (fp32)
-    on `device` ('auto': the GPU if there is one)."""
-    consolidated = consolidate(checkpoint)
+    on `device` ('auto': the GPU if there is one). `trust`: see consolidate."""
+    consolidated = consolidate(checkpoint, trust=trust)
     ProcessGrid.single_process()
     model = consolidated.build_model().to(select_device(device))
     return LoadedModel(model, Tokenizer(consolidated.tokenizer_path), consolidated)

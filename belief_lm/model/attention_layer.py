@@ -10,8 +10,12 @@ RoPE, calls a core attention and feeds its output to `linear_proj`. We supply bo
   and W^s separately named and sharded so checkpoints survive a change of TP size; with
   `fused` the two products are one GEMM against [W^o | W^s] (`JointProjection`).
 
+With model.qk_norm, `HeadNorm` is megatron's q_layernorm and k_layernorm: SelfAttention
+applies it to each head's queries and keys before RoPE, so before the core (and
+Attention-BN's recentring).
+
 The math itself is in `belief_lm/attention.py`; the only process-group code here is the
-all-reduce handed to the global projection.
+all-reduce handed to the global projection and the one HeadNorm's weight gradient needs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import (
     RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
 from megatron.core.transformer.module import MegatronModule
@@ -189,6 +194,26 @@ class BeliefStarProjection(RowParallelLinear):
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         state.update(self.w_s.sharded_state_dict(f"{prefix}w_s.", sharded_offsets, metadata))
         return state
+
+
+class HeadNorm(torch.nn.RMSNorm):
+    """RMSNorm over each attention head's channels (model.qk_norm, as Qwen3 and OLMo-core's
+    per-head QK norm): megatron's SelfAttention builds it as its q_layernorm and
+    k_layernorm (hidden_size = head_dim) and applies it to [seq, batch, heads, head_dim]
+    before RoPE; one weight of head_dim serves every head.
+
+    Under tensor parallelism each rank holds other heads, so the gradient of the shared
+    weight on one rank is only its heads' share: the weight enters the graph through
+    megatron's copy to the tensor-parallel region, whose backward sums that gradient over
+    the group (megatron sums q/k_layernorm gradients in finalize_model_grads, which
+    DeepSpeed does not run). Always RMSNorm, whatever model.normalization is."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(hidden_size, eps=eps)
+
+    def forward(self, heads: Tensor) -> Tensor:
+        weight = copy_to_tensor_model_parallel_region(self.weight)
+        return F.rms_norm(heads, self.normalized_shape, weight, self.eps)
 
 
 def core_attention_spec(

@@ -2,8 +2,9 @@
 
 Reads top to bottom: token embedding -> decoder layers (megatron TransformerLayer with the
 attention family of `attention_layer.py`) -> final norm -> vocab-parallel output layer ->
-vocab-parallel cross entropy (`loss.py`; with train.loss_chunk_tokens the output layer
-computes it a chunk of tokens at a time, fused with its GEMM). The three stage types are
+vocab-parallel cross entropy (`loss.py`, and the z-loss with train.z_loss; with
+train.loss_chunk_tokens the output layer computes it a chunk of tokens at a time, fused
+with its GEMM). The three stage types are
 also the pipeline stages (DeepSpeed PipelineModule), so every stage seeds its own
 initialisation: the initial weights depend only on `run.seed`, not on how the model is
 split over ranks. megatron's CPU initialisation draws each full weight and keeps this
@@ -38,8 +39,13 @@ from torch import Tensor
 from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, rotary_angles
 from belief_lm.compat import ColumnLinear, RowLinear
 from belief_lm.config import ModelConfig
-from belief_lm.model.attention_layer import DECODING, BeliefStarProjection, core_attention_spec
-from belief_lm.model.loss import chunked_lm_loss, lm_loss
+from belief_lm.model.attention_layer import (
+    DECODING,
+    BeliefStarProjection,
+    HeadNorm,
+    core_attention_spec,
+)
+from belief_lm.model.loss import LossTerms, chunked_lm_loss, lm_loss
 from belief_lm.runtime import derived_seed
 
 
@@ -93,6 +99,10 @@ def decoder_layer_spec(cfg: ModelConfig, recompute: str = "none") -> ModuleSpec:
     if cfg.variant.extra_projection:
         fused = cfg.fused_output_projection
         attention.linear_proj = ModuleSpec(module=BeliefStarProjection, params={"fused": fused})
+    if cfg.qk_norm:  # megatron's own slots (IdentityOp otherwise), applied before RoPE;
+        # TransformerConfig.qk_layernorm stays False: it only picks these in megatron's
+        # specs and sums their gradients in finalize_model_grads, which HeadNorm does itself
+        attention.q_layernorm = attention.k_layernorm = HeadNorm
     return spec
 
 
@@ -214,10 +224,11 @@ def vocab_parallel_logits(hidden: Tensor, weight: Tensor) -> Tensor:
 
 class OutputLayer(ColumnParallelLinear):
     """Last stage: hidden [seq, batch, hidden] -> logits [seq, batch, vocab / TP].
-    With tied embeddings it owns no weight and is handed the embedding's. With
-    `loss_chunk_tokens` (train.loss_chunk_tokens) and given labels it returns the loss
-    instead, computed that many tokens at a time with its GEMM, so the logits never exist
-    whole; inside this module's forward, where ZeRO-3 has gathered its weight."""
+    With tied embeddings it owns no weight and is handed the embedding's. Given labels it
+    returns the loss instead (LossTerms: with the z-loss of coefficient `z_loss`,
+    train.z_loss), inside this module's forward, where ZeRO-3 has gathered its weight; with
+    `loss_chunk_tokens` (train.loss_chunk_tokens) computed that many tokens at a time with
+    its GEMM, so the logits never exist whole."""
 
     def __init__(
         self,
@@ -226,6 +237,7 @@ class OutputLayer(ColumnParallelLinear):
         tied: bool,
         seed: int,
         loss_chunk_tokens: int = 0,
+        z_loss: float = 0.0,
     ):
         with seeded_init(seed):
             super().__init__(
@@ -237,15 +249,17 @@ class OutputLayer(ColumnParallelLinear):
                 gather_output=False,
                 skip_weight_param_allocation=tied,
             )
-        self.loss_chunk_tokens = loss_chunk_tokens
+        self.loss_chunk_tokens, self.z_loss = loss_chunk_tokens, z_loss
 
     def forward(  # type: ignore[override]
         self, hidden: Tensor, tied_weight: Tensor | None = None, labels: Tensor | None = None
-    ) -> Tensor:
+    ) -> Tensor | LossTerms:
         weight = self.weight if tied_weight is None else tied_weight
-        if labels is not None:
-            return chunked_lm_loss(hidden, weight, labels, self.loss_chunk_tokens)
-        return vocab_parallel_logits(hidden, weight)
+        if labels is None:
+            return vocab_parallel_logits(hidden, weight)
+        if self.loss_chunk_tokens:
+            return chunked_lm_loss(hidden, weight, labels, self.loss_chunk_tokens, self.z_loss)
+        return lm_loss(vocab_parallel_logits(hidden, weight), labels, self.z_loss)
 
 
 def stage_seed(seed: int, stage_index: int) -> int:
@@ -257,7 +271,8 @@ class BeliefLM(MegatronModule):
     """The whole model in one process (tensor parallelism inside the layers). The pipeline
     (belief_lm/model/pipeline.py) is built from the same parts with the same seeds.
     `recompute` (train.activation_checkpointing) and `loss_chunk_tokens`
-    (train.loss_chunk_tokens) change how training computes, never the result."""
+    (train.loss_chunk_tokens) change how training computes, never the result; `z_loss`
+    (train.z_loss) adds the z-loss to the objective, reported by get_additional_losses."""
 
     def __init__(
         self,
@@ -268,6 +283,7 @@ class BeliefLM(MegatronModule):
         *,
         recompute: str = "none",
         loss_chunk_tokens: int = 0,
+        z_loss: float = 0.0,
     ):
         config = transformer_config(model, tensor_parallel)
         super().__init__(config=config)
@@ -280,14 +296,17 @@ class BeliefLM(MegatronModule):
         self.final_norm = final_norm_class(config)(config.hidden_size, eps=config.layernorm_epsilon)
         self.output_layer = OutputLayer(
             config, vocab_size, model.tie_embeddings, stage_seed(seed, model.num_layers + 1),
-            loss_chunk_tokens,
+            loss_chunk_tokens, z_loss,
         )  # fmt: skip
+        self.z_loss = z_loss
+        self.last_z_loss = torch.zeros(())  # of the last forward given labels
 
     def forward(
         self, tokens: Tensor, labels: Tensor | None = None, cache: DecodeCache | None = None
     ) -> Tensor:
-        """Logits [seq, batch, vocab / TP], or the mean loss when labels are given. With a
-        `cache` (from `decode_cache`), `tokens` continue what it holds, and are added to it."""
+        """Logits [seq, batch, vocab / TP], or the mean loss when labels are given (its
+        gradient the objective's, with the z-loss). With a `cache` (from `decode_cache`),
+        `tokens` continue what it holds, and are added to it."""
         if cache is None:
             hidden = self.embedding(tokens)
             for layer in self.layers:
@@ -299,10 +318,16 @@ class BeliefLM(MegatronModule):
                 hidden = layer(hidden, (layer_cache, step))
         tied = self.embedding.word_embeddings.weight if self.model_config.tie_embeddings else None
         hidden = self.final_norm(hidden)
-        if labels is not None and self.output_layer.loss_chunk_tokens:
-            return self.output_layer(hidden, tied, labels)  # the loss, a chunk at a time
-        logits = self.output_layer(hidden, tied)
-        return logits if labels is None else lm_loss(logits, labels)
+        if labels is None:
+            return self.output_layer(hidden, tied)
+        loss, self.last_z_loss = self.output_layer(hidden, tied, labels)
+        return loss
+
+    def get_additional_losses(self) -> dict[str, Tensor] | None:
+        """What the last forward given labels computed beside its loss, as DeepSpeed's
+        pipeline engine asks a PipelineModule: {"z_loss": its z-loss term} with
+        train.z_loss, else None."""
+        return {"z_loss": self.last_z_loss} if self.z_loss else None
 
     def decode_cache(self) -> DecodeCache:
         """An empty cache for decoding with `forward(tokens, cache=...)`."""

@@ -13,13 +13,17 @@ own or the embedding's; its gradient comes from the loss_fn's backward like any 
 (a tied one is then summed across stages as usual). The weight is used outside its
 module's forward, which only ZeRO-3 would mind, and pipelines run ZeRO 0-1.
 
+With train.z_loss the loss_fn's gradient includes the z-loss, and `BeliefPipeline` reports
+its term through DeepSpeed's get_additional_losses: the pipeline engine sums it over the
+micro-batches, averages it over data parallelism and broadcasts it to every stage, as it
+does the loss (the engine's get_additional_losses after train_batch).
+
 Parameter names differ from BeliefLM's only by prefix; `canonical_name` maps them.
 """
 
 from __future__ import annotations
 
-import functools
-
+import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import Tensor
@@ -55,10 +59,29 @@ class OutputLossInputs(OutputLayer):
         return hidden, self.weight
 
 
-def _chunked_loss(outputs: tuple[Tensor, Tensor], labels: Tensor, chunk_tokens: int) -> Tensor:
-    """loss_fn under loss chunking: chunked_lm_loss of the output stage's (hidden, weight)."""
-    hidden, weight = outputs
-    return chunked_lm_loss(hidden, weight, labels, chunk_tokens)
+class BeliefPipeline(PipelineModule):
+    """DeepSpeed's PipelineModule whose loss_fn is the model's loss: from the output
+    stage's logits, or a chunk at a time from its (hidden, weight) with
+    `loss_chunk_tokens`; with the z-loss of coefficient `z_loss`, whose term of the last
+    micro-batch get_additional_losses reports (on every stage: the engine asks each for
+    the names it will receive)."""
+
+    def __init__(self, *, loss_chunk_tokens: int = 0, z_loss: float = 0.0, **pipeline):
+        super().__init__(loss_fn=self.loss, **pipeline)
+        self.loss_chunk_tokens, self.z_loss = loss_chunk_tokens, z_loss
+        self.last_z_loss = torch.zeros(())
+
+    def loss(self, outputs, labels: Tensor) -> Tensor:
+        if self.loss_chunk_tokens:
+            hidden, weight = outputs
+            terms = chunked_lm_loss(hidden, weight, labels, self.loss_chunk_tokens, self.z_loss)
+        else:
+            terms = lm_loss(outputs, labels, self.z_loss)
+        self.last_z_loss = terms.z_loss
+        return terms.loss
+
+    def get_additional_losses(self) -> dict[str, Tensor] | None:
+        return {"z_loss": self.last_z_loss} if self.z_loss else None
 
 
 def layer_specs(
@@ -99,22 +122,21 @@ def build_pipeline(
     seed: int,
     loss_chunk_tokens: int = 0,
     recompute: str = "none",
+    z_loss: float = 0.0,
 ) -> PipelineModule:
     """This rank's stage of the pipelined model; decoder layers are balanced over stages.
     `loss_chunk_tokens` is train.loss_chunk_tokens, `recompute`
-    train.activation_checkpointing. The output stage's copy of a tied embedding is marked
-    `pipeline_duplicate`: sums over the whole model (parameter count, gradient norm) must
-    not count it twice."""
-    loss_fn = lm_loss
-    if loss_chunk_tokens:
-        loss_fn = functools.partial(_chunked_loss, chunk_tokens=loss_chunk_tokens)
-    stage = PipelineModule(
+    train.activation_checkpointing, `z_loss` train.z_loss. The output stage's copy of a
+    tied embedding is marked `pipeline_duplicate`: sums over the whole model (parameter
+    count, gradient norm) must not count it twice."""
+    stage = BeliefPipeline(
         layers=layer_specs(
             model, vocab_size, tensor_parallel, seed, loss_chunk_tokens > 0, recompute
         ),
         topology=topology,
-        loss_fn=loss_fn,
         partition_method="type:DecoderLayer",
+        loss_chunk_tokens=loss_chunk_tokens,
+        z_loss=z_loss,
     )
     if stage.stage_id > 0:
         for name, param in stage.named_parameters():

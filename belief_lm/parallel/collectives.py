@@ -1,13 +1,16 @@
-"""Collectives: the sums the model is handed (it never looks up process groups itself),
-and where a tensor must be to go through a group. (Waiting for rank 0's one-off work is
-the process grid's: belief_lm.parallel.grid.)"""
+"""Collectives: the sums the model is handed (our attention never looks up process groups
+itself), the tensor-parallel place its vocab-parallel loss runs in (inside megatron's
+output layer, whose group it shares), and where a tensor must be to go through a group.
+(Waiting for rank 0's one-off work is the process grid's: belief_lm.parallel.grid.)"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from belief_lm.attention import ShardSum
 
@@ -44,6 +47,25 @@ class SumOverRanks(torch.autograd.Function):
         total = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(total, group=ctx.group)
         return None, total
+
+
+@dataclass(frozen=True)
+class TensorParallelPlace:
+    """megatron's tensor-parallel group (the process grid made it) and this rank's place
+    in it, for code that runs inside megatron's layers and sums over their group (the
+    vocab-parallel loss: belief_lm.model.loss)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+    @classmethod
+    def here(cls) -> TensorParallelPlace:
+        return cls(
+            ps.get_tensor_model_parallel_group(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+        )
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

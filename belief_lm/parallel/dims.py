@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from belief_lm.errors import BadInput
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -17,7 +19,7 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         if self.world_size % (self.tensor * self.pipeline):
-            raise ValueError(
+            raise BadInput(
                 f"world size {self.world_size} is not divisible by parallel.tensor "
                 f"({self.tensor}) x parallel.pipeline ({self.pipeline})"
             )

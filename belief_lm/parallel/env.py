@@ -23,11 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
 
+from belief_lm.errors import BadInput
+
 DEFAULT_PORT = 29500
 """torch.distributed's customary port, used when an MPI launch does not set MASTER_PORT."""
 
 
-class LaunchEnvError(ValueError):
+class LaunchEnvError(BadInput):
     """The launcher's environment is incomplete or malformed (the message names the variable)."""
 
 

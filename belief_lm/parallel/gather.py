@@ -1,4 +1,8 @@
-"""Whole tensors from tensor-parallel shards (for comparisons, exports, conversions)."""
+"""Whole tensors from tensor-parallel shards (for comparisons, exports, conversions).
+
+A shard is split as megatron splits the parameter (partition_dim, partition_stride: the
+Split of the weight in belief_lm.description); `join_shards` and `shard_piece` are that
+layout, for live parameters here and for a checkpoint's slices in consolidate."""
 
 from __future__ import annotations
 
@@ -24,9 +28,21 @@ def gather_tensor_parallel(shard: Tensor, like: torch.nn.Parameter) -> Tensor:
         return shard
     pieces = [torch.empty_like(shard) for _ in range(world)]
     dist.all_gather(pieces, shard.contiguous(), group=group)
-    dim, stride = like.partition_dim, getattr(like, "partition_stride", 1)
+    return join_shards(pieces, like.partition_dim, getattr(like, "partition_stride", 1))
+
+
+def join_shards(pieces: list[Tensor], dim: int, stride: int = 1) -> Tensor:
+    """The whole tensor from every TP rank's piece, in rank order: split along `dim` with
+    `stride` chunks per rank (chunk j of rank r is piece j*TP + r of the whole tensor;
+    megatron's layout for the gated MLP's [gate; up] weight)."""
     chunks = [piece.chunk(stride, dim=dim) for piece in pieces]
-    return torch.cat([chunks[r][j] for j in range(stride) for r in range(world)], dim=dim)
+    return torch.cat([chunks[r][j] for j in range(stride) for r in range(len(pieces))], dim=dim)
+
+
+def shard_piece(full: Tensor, dim: int, stride: int, rank: int, world: int) -> Tensor:
+    """TP rank `rank`'s piece of `full` (join_shards' inverse)."""
+    pieces = full.chunk(world * stride, dim=dim)
+    return torch.cat([pieces[j * world + rank] for j in range(stride)], dim=dim)
 
 
 def counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -75,7 +91,5 @@ def shard_tensor_parallel(full: Tensor, like: torch.nn.Parameter) -> Tensor:
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1 or not getattr(like, "tensor_model_parallel", False):
         return full
-    dim, stride = like.partition_dim, getattr(like, "partition_stride", 1)
-    rank = ps.get_tensor_model_parallel_rank()
-    pieces = full.chunk(world * stride, dim=dim)
-    return torch.cat([pieces[j * world + rank] for j in range(stride)], dim=dim)
+    stride, rank = getattr(like, "partition_stride", 1), ps.get_tensor_model_parallel_rank()
+    return shard_piece(full, like.partition_dim, stride, rank, world)

@@ -30,6 +30,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state as ps
 
 from belief_lm import compat
+from belief_lm.errors import BAD_INPUT, BadInput
 from belief_lm.parallel.collectives import collective_device
 from belief_lm.parallel.dims import Layout, ParallelDims
 from belief_lm.parallel.env import ProcessEnv
@@ -220,8 +221,8 @@ class ProcessGrid:
         timeout sized for collectives, not for this. Meanwhile the others watch rank 0's
         heartbeat: a rank 0 silent for parallel.timeout_s is lost (PeerLost) long before
         the wait would end. If rank 0's run fails, every rank fails at once with its
-        message (a ValueError stays a ValueError: bad input is reported as such everywhere)
-        instead of waiting.
+        message (bad input stays bad input, belief_lm.errors.BadInput, reported as such
+        everywhere) instead of waiting.
         """
         if self.side is None:
             return work()
@@ -235,13 +236,13 @@ class ProcessGrid:
         done = torch.zeros(1)
         waiting = dist.broadcast(done, src=0, group=group, async_op=True)
         self.peers.wait_for_rank_zero(waiting, "rank_zero_first's wait for rank 0")
-        outcome = [None if failure is None else (isinstance(failure, ValueError), str(failure))]
+        outcome = [None if failure is None else (isinstance(failure, BAD_INPUT), str(failure))]
         dist.broadcast_object_list(outcome, src=0, group=group)
         if failure is not None:
             raise failure
         if outcome[0] is not None:
             bad_input, message = outcome[0]
-            raise (ValueError if bad_input else RuntimeError)(f"on rank 0: {message}")
+            raise (BadInput if bad_input else RuntimeError)(f"on rank 0: {message}")
         return result if self.rank == 0 else work()
 
     def on_rank_zero(self, work: Callable[[], T]) -> T | None:

@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 DIRECTORY = "heartbeats"
@@ -114,10 +114,20 @@ def read(run_dir: str | Path, ranks: list[int]) -> dict[int, Beat | None]:
     beats = {}
     for rank in ranks:
         try:
-            beats[rank] = Beat(**json.loads(path_of(run_dir, rank).read_text()))
+            beats[rank] = _checked(Beat(**json.loads(path_of(run_dir, rank).read_text())))
         except (OSError, ValueError, TypeError):
             beats[rank] = None
     return beats
+
+
+def _checked(beat: Beat) -> Beat:
+    """`beat` if each field has its type (TypeError if not: a file that is no heartbeat)."""
+    for item in fields(Beat):
+        kind = {"int": int, "float": int | float, "str": str}[item.type]
+        value = getattr(beat, item.name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise TypeError(f"{item.name}={value!r}")
+    return beat
 
 
 def silent(beats: dict[int, Beat | None], after_s: float) -> list[int]:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from belief_lm import compat
+from belief_lm.errors import PeerLost
 from belief_lm.parallel import heartbeat
 
 TIMED_OUT = re.compile(r"timed out|timeout", re.I)
@@ -58,17 +59,6 @@ STALE_INTERVALS = 3
 """A rank is silent when its heartbeat is this many intervals old."""
 SHOWN = 8
 """Silent ranks described one by one in the line; more are counted."""
-
-
-class PeerLost(RuntimeError):
-    """A collective failed because a peer is silent or gone (exit_codes.PEER_LOST)."""
-
-    def __init__(self, message: str, line: str | None, silent: list[int] | None = None):
-        super().__init__(message)
-        self.line = line
-        """The one line to print; None where another process reports it."""
-        self.silent = silent or []
-        """The ranks found silent (empty: a vanished peer, or none silent)."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ checkpoints. A step returns what it did (`StepOutcome`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,10 @@ class StepOutcome:
     skipped the step)."""
     check: LossCheck | None
     """What the step's `screen` found, if it had one."""
+    reported: dict[str, torch.Tensor] = field(default_factory=dict)
+    """What the model computed beside the loss (z_loss with train.z_loss): this rank's mean
+    over its micro-batches (a pipeline's: already averaged over data parallelism, as its
+    loss), to `Trainee.global_mean` like the loss."""
 
     @property
     def nonfinite(self) -> bool:
@@ -92,22 +96,25 @@ class Trainee:
         optimizer.take_update()  # (nothing left from a step that failed)
         if self.pipelined:  # 1F1B over all micro-batches, optimizer step included
             loss = engine.train_batch(data_iter=micro_batches)
+            reported = dict(engine.get_additional_losses() or {})
             check = None if screen is None else screen(loss)
             if check is not None and check.skip:
                 raise RuntimeError("a pipelined step was asked to skip its update after it")
-            return StepOutcome(loss, optimizer.take_update(), check)
+            return StepOutcome(loss, optimizer.take_update(), check, reported)
         accumulation = engine.gradient_accumulation_steps()
-        total, check = None, None
+        total, check, reported = None, None, {}
         for micro in range(accumulation):
             tokens, labels = next(micro_batches)
             loss = engine(tokens, labels)
             engine.backward(loss)  # DeepSpeed divides by the accumulation steps
             total = loss.detach() if total is None else total + loss.detach()
+            for name, value in (engine.module.get_additional_losses() or {}).items():
+                reported[name] = reported.get(name, 0) + value / accumulation
             if screen is not None and micro == accumulation - 1:
                 check = screen(total / accumulation)  # before the update
             with optimizer.vetoing(check is not None and check.skip):
                 engine.step()  # optimizer + scheduler step only at the accumulation boundary
-        return StepOutcome(total / accumulation, optimizer.take_update(), check)
+        return StepOutcome(total / accumulation, optimizer.take_update(), check, reported)
 
     def global_mean(self, loss: torch.Tensor) -> float:
         """This step's loss averaged over the global batch, on every rank (collective over
@@ -143,12 +150,16 @@ def build_trainee(
         "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
         "recompute": cfg.train.activation_checkpointing,
     }
+    z_loss = cfg.train.z_loss  # part of the objective
     if pipelined:
         model = build_pipeline(
-            cfg.model, vocab_size, grid.topology, layout.tensor, cfg.run.seed, **execution
-        )
+            cfg.model, vocab_size, grid.topology, layout.tensor, cfg.run.seed, **execution,
+            z_loss=z_loss,
+        )  # fmt: skip
     else:
-        model = BeliefLM(cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed, **execution)
+        model = BeliefLM(
+            cfg.model, vocab_size, layout.tensor, seed=cfg.run.seed, **execution, z_loss=z_loss
+        )
     if weights is not None:  # before DeepSpeed takes the weights (ZeRO partitions, bf16)
         from belief_lm.checkpoint.consolidate import load_full_state
 

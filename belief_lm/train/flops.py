@@ -1,7 +1,8 @@
 """Model FLOPs per token and utilisation (MFU).
 
 Counts matrix multiplies only, forward + backward = 3 x forward, as PaLM's appendix B and
-Megatron do: 6 FLOPs per matmul weight per token, plus the attention scores and weighted
+Megatron do: 6 FLOPs per matmul weight per token (the weights the model's description,
+belief_lm.description, marks as a matmul's), plus the attention scores and weighted
 sums, 12 x layers x seq x hidden per token (counted for the full, not the causal, square).
 belief's projections are elementwise and not counted; belief_star's W^s is a matmul and is.
 Activation recompute runs part of the forward again (recompute_flops_per_token); MFU does
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from belief_lm.config import ModelConfig
+from belief_lm.description import describe, layer_weights, matmul_count
 
 if TYPE_CHECKING:
     import torch
@@ -32,17 +34,15 @@ PCIe and NVL boards come before the SXM figure of their name)."""
 
 
 def layer_matmul_weights(model: ModelConfig) -> int:
-    """Matmul weights of one decoder layer: QKV, W^o (and belief_star's W^s), the MLP."""
-    hidden, ffn = model.hidden_size, model.ffn_size
-    qkv = hidden * (model.num_attention_heads + 2 * model.query_groups) * model.head_dim
-    out = hidden * hidden * (2 if model.variant.extra_projection else 1)
-    mlp = hidden * ffn * (3 if model.activation == "swiglu" else 2)
-    return qkv + out + mlp
+    """Matmul weights of one decoder layer (the description's): QKV, W^o (and belief_star's
+    W^s), the MLP."""
+    return matmul_count(layer_weights(model))
 
 
 def matmul_weights(model: ModelConfig, vocab_size: int) -> int:
-    """Weights used in matrix multiplies (embedding lookups and norms excluded)."""
-    return model.num_layers * layer_matmul_weights(model) + model.hidden_size * vocab_size
+    """Weights used in matrix multiplies (the description's: embedding lookups and norms
+    excluded, the output layer's counted once, tied or not)."""
+    return describe(model, vocab_size).matmul_weights()
 
 
 def attention_flops_per_token(model: ModelConfig) -> float:

@@ -25,6 +25,7 @@ import torch
 
 from belief_lm.checkpoint import store
 from belief_lm.config import Config
+from belief_lm.errors import DataStop, NonFiniteLossError, Preempted, SpikeStop
 from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.parallel.peers import end_child_processes, is_lost_peer
 from belief_lm.preflight import Preflight
@@ -36,7 +37,7 @@ from belief_lm.train.profile import StepProfiler
 from belief_lm.train.progress import Progress
 from belief_lm.train.ranks import ForwardTimer, rank_spread
 from belief_lm.train.run_dir import prepare_run_dir
-from belief_lm.train.signals import Preempted, StopRequests
+from belief_lm.train.signals import StopRequests
 from belief_lm.train.spikes import LossCheck, Spike, SpikeDetector
 from belief_lm.train.validation import Batch, validation_loss
 from data_pipeline.failures import DataFault
@@ -44,19 +45,6 @@ from data_pipeline.loader import TrainData
 from data_pipeline.tokenizer import Tokenizer
 
 log = logging.getLogger("belief_lm.train")
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive steps had non-finite gradients."""
-
-
-class DataStop(RuntimeError):
-    """A data source failed mid-run; the last completed step was saved (exit_codes.DATA_FAULT)."""
-
-
-class SpikeStop(RuntimeError):
-    """train.spike.max_in_row loss spikes in a row with train.spike.action=stop; the step
-    was saved (exit_codes.LOSS_SPIKES)."""
 
 
 @dataclass
@@ -89,6 +77,9 @@ class StepResult:
     """The loss averaged over the global batch, where the spike check computed it."""
     lr: float
     """The step's learning rate."""
+    reported: dict[str, torch.Tensor]
+    """What the model computed beside the loss (z_loss with train.z_loss): this rank's, as
+    `loss` (engine.StepOutcome.reported)."""
     spike: Spike | None
     """The loss spike it was, if it was one."""
     nonfinite: bool
@@ -280,7 +271,8 @@ class Trainer:
         check = outcome.check
         return StepResult(
             step=step, loss=outcome.loss, mean_loss=None if check is None else check.mean,
-            lr=lr, spike=None if check is None else check.spike, nonfinite=outcome.nonfinite,
+            lr=lr, reported=outcome.reported, spike=None if check is None else check.spike,
+            nonfinite=outcome.nonfinite,
             vetoed=outcome.vetoed, tokens=self.meter.tokens_per_step, data_wait_s=wait_s,
             last_batch=batches[-1],
         )  # fmt: skip
@@ -325,6 +317,8 @@ class Trainer:
         scalars = self.meter.scalars(
             self.step, mean, done.lr, None if norm is None else float(norm), self.data_wait_s
         )
+        for name, value in done.reported.items():  # z_loss (collective)
+            scalars[name] = self.trainee.global_mean(value)
         scalars.update(self.data.stats())  # data health, summed over the ranks
         if self.grid.world_size > 1:  # a straggler shows in the spread (one all-gather)
             scalars.update(rank_spread(forward_s))

@@ -1,10 +1,11 @@
-"""AdamW with decoupled weight decay on matrices only, and warmup + cosine learning rate."""
+"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedule
+(warmup, then cosine, warmup-stable-decay or constant)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,21 +27,40 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-class WarmupCosine:
-    """Learning-rate multiplier after `step` optimizer steps: linear warmup to 1 over
-    warmup_steps (the first step already uses 1/warmup_steps), then a cosine from 1 to
-    min_lr/lr at decay_steps, then flat. A class, not a lambda, so schedulers pickle."""
+DECAY_SHAPES: dict[str, Callable[[float], float]] = {
+    "cosine": lambda done: 0.5 * (1 + math.cos(math.pi * done)),
+    "linear": lambda done: 1 - done,
+    "1-sqrt": lambda done: 1 - math.sqrt(done),
+}
+"""How far above the floor the rate is (1 to 0) when a share `done` of the decay is done."""
+
+
+class LRSchedule:
+    """Learning-rate multiplier after `step` optimizer steps (train.lr_schedule): linear
+    warmup to 1 over warmup_steps (the first step already uses 1/warmup_steps); 1 until
+    the decay starts (cosine: at the warmup's end; wsd: its stable phase's end; constant:
+    never); from 1 down to min_lr/lr at decay_end in the decay's shape; then flat.
+
+    A class of plain numbers and a name, not a lambda: LambdaLR's state_dict keeps its
+    attributes (DeepSpeed saves it in the checkpoint, which loads weights-only) and a resume
+    restores them. The attribute names are WarmupCosine's, which this replaced (warmup,
+    decay_end, floor), so its checkpoints resume."""
 
     def __init__(self, train: TrainConfig):
         self.warmup = train.warmup_steps
-        self.decay_end = max(train.decay_steps or train.max_steps, self.warmup + 1)
-        self.floor = train.min_lr / train.lr
+        self.decay_start, self.decay_end = train.decay_start, train.decay_end
+        self.floor = 1.0 if train.lr_schedule == "constant" else train.min_lr / train.lr
+        self.shape = train.wsd_decay_shape if train.lr_schedule == "wsd" else "cosine"
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / (self.decay_end - self.warmup))
-        return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if step < self.decay_start:
+            return 1.0
+        if step >= self.decay_end:
+            return self.floor
+        done = (step - self.decay_start) / (self.decay_end - self.decay_start)
+        return self.floor + (1 - self.floor) * DECAY_SHAPES[self.shape](done)
 
 
 @dataclass(frozen=True)
@@ -119,7 +139,7 @@ def build_optimizer(
     model: torch.nn.Module, train: TrainConfig, device: torch.device
 ) -> tuple[GuardedAdamW, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW (train.adamw_kernel) that skips non-finite and vetoed steps, and its LambdaLR
-    schedule."""
+    schedule (train.lr_schedule)."""
     optimizer = GuardedAdamW(
         param_groups(model, train.weight_decay),
         lr=train.lr,
@@ -127,4 +147,4 @@ def build_optimizer(
         eps=train.eps,
         **adamw_kernel(train.adamw_kernel, device),
     )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(train))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, LRSchedule(train))

@@ -50,16 +50,28 @@ def record_start(run_dir: Path, step: int, world_size: int) -> None:
             record["restart"] = json.loads(restart)
         except ValueError:  # a hand-written value: kept as written
             record["restart"] = restart
-    with (run_dir / STARTS).open("a") as file:
-        file.write(json.dumps(record) + "\n")
+    path = run_dir / STARTS
+    cut = path.is_file() and path.read_bytes()[-1:] not in (b"", b"\n")  # by a crash mid-write
+    with path.open("a") as file:
+        file.write(("\n" if cut else "") + json.dumps(record) + "\n")
 
 
 def drop_metrics_after(run_dir: Path, step: int) -> None:
     """Keep only the rows up to `step` in every per-step log (metrics.jsonl,
-    diagnostics.jsonl): a resumed run logs the later ones again. (starts.jsonl is the
-    run's history, not a per-step log: it keeps every start.)"""
+    diagnostics.jsonl): a resumed run logs the later ones again, and a row a crash cut
+    short is dropped. (starts.jsonl is the run's history, not a per-step log: it keeps
+    every start.)"""
     for path in run_dir.glob("*.jsonl"):
         if path.name == STARTS:
             continue
-        rows = [r for r in path.read_text().splitlines() if json.loads(r)["step"] <= step]
+        rows = [r for r in path.read_text(errors="replace").splitlines() if _step(r) <= step]
         path.write_text("".join(f"{r}\n" for r in rows))
+
+
+def _step(row: str) -> float:
+    """The step of a per-step log's row (infinite for a line that is no row: dropped)."""
+    try:
+        step = json.loads(row)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+    return step if type(step) is int else float("inf")

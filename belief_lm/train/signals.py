@@ -22,14 +22,6 @@ if TYPE_CHECKING:  # (torch-free at run time)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
-class Preempted(Exception):  # a normal outcome (exit_codes.PREEMPTED), not an error
-    """Raised after the checkpoint of a stop request is saved."""
-
-    def __init__(self, step: int):
-        super().__init__(f"stopped on request after step {step}; checkpoint saved")
-        self.step = step
-
-
 class StopRequests:
     """Catches the stop signals while active; `agreed(grid)` tells every rank whether any
     rank received one. Torch-free, so the `train` command catches signals from its first

@@ -15,20 +15,27 @@ A checkpoint is trusted only once verified against its manifest: pre-flight chec
 every file is there with its size (instant), and `verified_resume` has the ranks read every
 file through once between them (each rank a share) before anything is loaded. A damaged
 checkpoint named by checkpoint.resume is refused naming the file; with resume=auto the
-newest intact one is taken instead, with a warning.
+newest intact one is taken instead, with a warning. Every file is read weights-only
+(belief_lm/checkpoint/loading.py): the same pass finds a file holding more than a
+checkpoint may, and the run is refused naming it (checkpoint.trust=true: a warning).
+What the trainer writes is plain values and tensors: the data pipeline's NumPy arrays are
+saved as tensors (`data_state`, `load_data_state`), the RNG states as store.rng_state says.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from belief_lm.checkpoint import manifest, store
+from belief_lm import compat
+from belief_lm.checkpoint import loading, manifest, store
 from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo, damaged, step_dirs
 from belief_lm.checkpoint.universal import ensure_universal, universal_info
 from belief_lm.config import Config
@@ -53,8 +60,9 @@ def rank_state(layout: Layout) -> dict:
 
 
 def data_state(data) -> dict:
-    """The whole run's data position (every rank holds all of it, the same)."""
-    return data.state_dict()
+    """The whole run's data position (every rank holds all of it, the same), its NumPy
+    arrays as tensors (`load_data_state` turns them back)."""
+    return arrays_as_tensors(data.state_dict())
 
 
 def verified_resume(
@@ -64,10 +72,16 @@ def verified_resume(
     share of them). A damaged checkpoint named by checkpoint.resume raises CheckpointError
     naming the file; with resume=auto the next intact one is taken instead, with a warning
     (`resume_from` refuses a run whose checkpoints are all damaged)."""
+    if resume is not None and resume.trusted:
+        log.warning(
+            "checkpoint.trust is on: a file of the checkpoint holding more than a checkpoint "
+            "may is loaded with pickle, which can run any code it holds"
+        )
     while resume is not None:
         started = time.perf_counter()
-        found = verify_together(resume.path)
+        found, refused = verify_together(resume.path)
         if not found:
+            loading.refuse(resume.path, refused, resume.trusted)
             seconds = time.perf_counter() - started
             log.info("verified checkpoint %s in %.1f s", resume.path, seconds)
             return resume
@@ -81,21 +95,24 @@ def verified_resume(
     return None
 
 
-def verify_together(path: Path, workers: int = manifest.WORKERS) -> list[str]:
-    """Problems of checkpoint `path` (every file read through once), the same list on every
-    rank: each rank checksums its share of the bytes (manifest.shares), and the problems
-    are gathered. A missing or corrupt manifest is found by every rank alike."""
+def verify_together(path: Path, workers: int = manifest.WORKERS) -> tuple[list[str], list[str]]:
+    """Problems of checkpoint `path` (every file read through once) and its files that hold
+    more than a checkpoint may (loading.refusals), the same lists on every rank: each rank
+    checks its share of the files (manifest.shares), and the findings are gathered. A
+    missing or corrupt manifest is found by every rank alike."""
     try:
         records = manifest.read_manifest(path)
     except manifest.ManifestError as err:
-        return [str(err)]
+        return [str(err)], []
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = manifest.check(path, records, manifest.shares(records, world)[rank], workers=workers)
-    if world == 1:
-        return mine
-    every_rank = [None] * world
-    dist.all_gather_object(every_rank, mine)
-    return sorted(problem for found in every_rank for problem in found)
+    share = manifest.shares(records, world)[rank]
+    damage = manifest.check(path, records, share, workers=workers)
+    mine = (damage, [] if damage else loading.refusals(path, share))
+    every_rank = [mine]
+    if world > 1:
+        every_rank = [None] * world
+        dist.all_gather_object(every_rank, mine)
+    return tuple(sorted(line for found in every_rank for line in found[i]) for i in (0, 1))
 
 
 def weights_only(resume: ResumeFrom | None) -> dict[str, torch.Tensor] | None:
@@ -106,18 +123,24 @@ def weights_only(resume: ResumeFrom | None) -> dict[str, torch.Tensor] | None:
     from belief_lm.checkpoint.consolidate import consolidate
 
     log.info("starting from the weights of %s (fresh optimizer and data stream)", resume.path)
-    return consolidate(resume.path, verify=False).state_dict  # verified_resume did
+    # verified_resume checked the files
+    return consolidate(resume.path, verify=False, trust=resume.trusted).state_dict
 
 
 def restore(resume: ResumeFrom, cfg: Config, engine, grid: ProcessGrid) -> int:
     """Load checkpoint `resume` into DeepSpeed's `engine` and this rank's RNG states;
     returns the saved step. The data stream's position is `load_data_state`'s."""
     path, layout = resume.path, grid.layout
-    source = ensure_universal(path, cfg.model, grid) if resume.other_layout else path
-    loaded, _ = engine.load_checkpoint(
-        str(source.parent), tag=source.name, load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-    )  # fmt: skip
+    source = path
+    if resume.other_layout:
+        source = ensure_universal(path, cfg.model, grid, resume.trusted)
+    # the engine reads through our checkpoint engine (writer.py), its ZeRO optimizers a
+    # universal checkpoint directly: both weights-only
+    with compat.deepspeed_loads_through(functools.partial(loading.load, trust=resume.trusted)):
+        loaded, _ = engine.load_checkpoint(
+            str(source.parent), tag=source.name, load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )  # fmt: skip
     if loaded is None:
         raise CheckpointError(f"DeepSpeed found no loadable checkpoint in {source}")
     info = resume.info
@@ -136,7 +159,7 @@ def load_rank_state(resume: ResumeFrom, rank: int) -> dict:
     path = resume.path / "run_state" / f"rank{rank:05d}.pt"
     if not path.is_file():
         raise CheckpointError(f"checkpoint {resume.path} has no state for rank {rank}")
-    return torch.load(path, weights_only=False)
+    return loading.load(path, trust=resume.trusted)
 
 
 def load_data_state(resume: ResumeFrom) -> dict:
@@ -147,14 +170,44 @@ def load_data_state(resume: ResumeFrom) -> dict:
             f"checkpoint {resume.path} has no {DATA_STATE}: it was written by an earlier "
             "belief-lm whose data streams were per rank; its data position cannot be continued"
         )
-    return torch.load(path, weights_only=False)
+    return tensors_as_arrays(loading.load(path, trust=resume.trusted))
+
+
+def arrays_as_tensors(state):
+    """`state` (nested dicts, lists, tuples) with every NumPy array a tensor and every NumPy
+    scalar a Python number: what a checkpoint may hold (loading.py)."""
+
+    def as_tensor(value):
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(value.copy())
+        return value.item() if isinstance(value, np.generic) else value
+
+    return _map_leaves(state, as_tensor)
+
+
+def tensors_as_arrays(state):
+    """`arrays_as_tensors` undone: every tensor a NumPy array (the data pipeline's state
+    holds NumPy arrays and no tensors)."""
+    return _map_leaves(state, lambda v: v.numpy() if isinstance(v, torch.Tensor) else v)
+
+
+def _map_leaves(value, leaf):
+    """`value` (nested dicts, lists, tuples, named or not) with `leaf` applied to the rest."""
+    if isinstance(value, dict):
+        return {key: _map_leaves(item, leaf) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_map_leaves(item, leaf) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return leaf(value)
 
 
 def checkpointer(cfg: Config, engine, grid: ProcessGrid) -> store.Checkpointer:
     """What saves the checkpoints of DeepSpeed's `engine` (collective: every rank makes
     one; the ranks agree in the grid's checkpoint group)."""
-    root, keep = checkpoint_root(cfg), cfg.checkpoint.keep
-    return store.Checkpointer(engine, root, keep, cfg.checkpoint.async_save, grid.checkpoint_group)
+    return store.Checkpointer(
+        engine, checkpoint_root(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save,
+        grid.checkpoint_group, cfg.checkpoint.trust,
+    )  # fmt: skip
 
 
 def save(cfg: Config, checkpoints: store.Checkpointer, state: dict, layout: Layout, step: int,

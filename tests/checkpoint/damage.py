@@ -1,6 +1,6 @@
 """What happens to checkpoints in the wild, done to real ones: a file lost, a copy cut
-short, a byte changed, the manifest lost, `latest` overwritten with garbage. And the
-comparison of two checkpoints tensor for tensor."""
+short, a byte changed, the manifest lost, `latest` overwritten with garbage, a pickled
+payload put into a file. And the comparison of two checkpoints tensor for tensor."""
 
 from __future__ import annotations
 
@@ -12,6 +12,24 @@ import numpy as np
 import torch
 
 from belief_lm.checkpoint.manifest import MANIFEST
+
+
+class Payload:
+    """Unpickled, it runs exec(): writes 'ran' to `marker` (what a hostile file does)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def poison(file: Path, marker: Path) -> None:
+    """Add a Payload writing `marker` to the dict torch file `file` (a file of the test's
+    own, so loading it with pickle is fine here)."""
+    state = torch.load(file, weights_only=False)
+    state["payload"] = Payload(marker)
+    torch.save(state, file)
 
 
 def largest_file(checkpoint: Path) -> Path:

@@ -10,7 +10,7 @@ import pytest
 from belief_lm.checkpoint.files import CheckpointError, newest_checkpoint, read_info
 from belief_lm.config import load_config
 from belief_lm.train.loop import train
-from tests.jobs import MICRO, losses, processes_mentioning, start_cli, wait_for_rows
+from tests.jobs import MICRO, losses, metrics, processes_mentioning, start_cli, wait_for_rows
 
 SMALL = [
     "model.seq_length=64", "train.micro_batch_size=4", "train.decay_steps=8",
@@ -24,33 +24,58 @@ def config(run_dir, cache_dir, *overrides):
     )
 
 
+WSD_Z_LOSS = [
+    "train.lr_schedule=wsd", "train.wsd_decay_steps=6", "train.wsd_decay_shape=1-sqrt",
+    "train.z_loss=1e-3",
+]  # fmt: skip
+"""A warmup-stable-decay schedule whose decay (steps 3-8) a save at step 4 cuts, and a
+z-loss: both logged every step."""
+
+
 def test_resume_is_bit_exact(tmp_path, cache_dir):
     """8 steps saving at 4 and 8; resumed from step 4 elsewhere, with an empty cache (as on
-    another node): steps 5-8 identical, with the checkpoint's tokenizer (none trained)."""
-    full = train(config(tmp_path / "a", cache_dir, "train.max_steps=8", "checkpoint.interval=4"))
+    another node): steps 5-8 identical (loss, and the learning rate and z-loss logged
+    mid-decay), with the checkpoint's tokenizer (none trained)."""
+
+    def scheduled(run_dir, cache, *overrides):
+        return config(run_dir, cache, *WSD_Z_LOSS, *overrides)
+
+    full = train(scheduled(tmp_path / "a", cache_dir, "train.max_steps=8", "checkpoint.interval=4"))
     step4 = tmp_path / "a" / "checkpoints" / "step_000004"
     assert read_info(step4).consumed_tokens == 4 * 8 * 64
     other_cache = tmp_path / "other-cache"
     resumed = train(
-        config(tmp_path / "b", other_cache, "train.max_steps=8", f"checkpoint.resume={step4}")
+        scheduled(tmp_path / "b", other_cache, "train.max_steps=8", f"checkpoint.resume={step4}")
     )
     kept = [p.read_bytes() for p in other_cache.glob("tokenizers/*.model")]
     assert kept == [(step4 / "tokenizer.model").read_bytes()]  # a copy, none trained
     assert list(resumed.losses) == [5, 6, 7, 8]
     assert [resumed.losses[s] for s in (5, 6, 7, 8)] == [full.losses[s] for s in (5, 6, 7, 8)]
+    logged = {run: {r["step"]: r for r in metrics(tmp_path / run) if "lr" in r}
+              for run in ("a", "b")}  # fmt: skip
+    lr = [logged["a"][s]["lr"] for s in range(1, 9)]
+    assert lr[0] == pytest.approx(0.5 * lr[1]) and lr[1] == lr[2]  # warmup, stable
+    assert lr[2] > lr[3] > lr[4] > lr[7] > 0  # the decay, 1-sqrt
+    for key in ("lr", "z_loss"):
+        assert [logged["b"][s][key] for s in (5, 6, 7, 8)] == [
+            logged["a"][s][key] for s in (5, 6, 7, 8)
+        ]
+    assert all(0 < logged["a"][s]["z_loss"] < 1 for s in range(1, 9))
     # the run directory moved elsewhere, auto-resume there: nothing left to do at step 8,
     # and two more steps continue from step 8 like the run resumed from step 4
     moved = tmp_path / "moved"
     shutil.move(tmp_path / "a", moved)
-    assert train(config(moved, cache_dir, "train.max_steps=8")).losses == {}
+    assert train(scheduled(moved, cache_dir, "train.max_steps=8")).losses == {}
     assert [p.name for p in sorted((moved / "checkpoints").glob("step_*"))] == [
         "step_000004", "step_000008",
     ]  # fmt: skip
     # saving every step, keeping one: step 8, resumed from, is deleted, and step 10 saved
     longer = train(
-        config(moved, cache_dir, "train.max_steps=10", "checkpoint.interval=1", "checkpoint.keep=1")
+        scheduled(
+            moved, cache_dir, "train.max_steps=10", "checkpoint.interval=1", "checkpoint.keep=1"
+        )
     )
-    further = train(config(tmp_path / "b", cache_dir, "train.max_steps=10"))
+    further = train(scheduled(tmp_path / "b", cache_dir, "train.max_steps=10"))
     assert list(longer.losses) == [9, 10]
     assert longer.losses == further.losses
 

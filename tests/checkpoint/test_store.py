@@ -17,7 +17,7 @@ from belief_lm.checkpoint.files import (
     read_info,
     read_latest,
 )
-from belief_lm.checkpoint.manifest import seal
+from belief_lm.checkpoint.manifest import seal, write_manifest
 from belief_lm.checkpoint.store import Checkpointer, delete_old, rng_state, save
 from belief_lm.checkpoint.writer import HOLD_ENV
 from tests.checkpoint.damage import assert_same_checkpoint
@@ -73,6 +73,35 @@ def test_read_info_names_the_problem(tmp_path):
     with pytest.raises(CheckpointError, match="marked incomplete"):
         read_info(make(tmp_path, 4, run_json=json.dumps({"step": 4, **INFO, "complete": False})))
     assert read_info(make(tmp_path, 5)).step == 5
+    hostile = [("step", "6"), ("complete", "yes"), ("tensor", -1), ("zero_stage", 1.5)]
+    for step, (field, value) in enumerate(hostile, start=6):  # run.json of the wrong shape
+        body = json.dumps({"step": step, **INFO, field: value})
+        with pytest.raises(CheckpointError, match=rf"corrupt run\.json \({field}="):
+            read_info(make(tmp_path, step, run_json=body))
+    for step, text in ((10, "[1, 2]"), (11, b"\xff\xfe".decode("latin-1")), (12, '"x"')):
+        with pytest.raises(CheckpointError, match=r"corrupt run\.json"):
+            read_info(make(tmp_path, step, run_json=text))
+
+
+@pytest.mark.parametrize(
+    ("name", "size", "message"),
+    [
+        ("../outside", 1, "not a file inside the checkpoint"),
+        ("/etc/passwd", 1, "not a file inside the checkpoint"),
+        ("run.json", "big", "gives run.json the size 'big'"),
+        ("run.json", -1, "gives run.json the size -1"),
+    ],
+    ids=["parent", "absolute", "size", "negative"],
+)
+def test_a_hostile_manifest_is_corrupt(tmp_path, name, size, message):
+    """A manifest whose own checksum matches (anyone can compute it: write_manifest does)
+    but which names a file outside the checkpoint or gives a size that is no number of
+    bytes: corrupt, nothing read."""
+    from belief_lm.checkpoint.manifest import FileRecord, ManifestError, read_manifest
+
+    write_manifest(tmp_path, {name: FileRecord(size, 0)})
+    with pytest.raises(ManifestError, match=message):
+        read_manifest(tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import uuid
 from collections import Counter
@@ -144,6 +145,15 @@ def read_documents(src, split=None, validation_fraction=0.0):
     return [doc for doc, *_ in reader.documents(src.units())], reader.counts
 
 
+def expected_documents(tokenizer, rows: list[dict], fraction: float) -> Counter:
+    """The token ids (EOS included) of the training documents among `rows`, by the id-hash
+    split with `fraction` held out."""
+    from data_pipeline.documents import split_of
+
+    train = [r["text"] for r in rows if split_of(r["id"], fraction) == "train"]
+    return Counter(tuple(ids) for ids in tokenizer.encode_batch(train, add_eos=True))
+
+
 def heavy_tailed_rows(n: int, median: int, giants: int, giant_chars: int, seed: int = 0):
     """n FineWeb-Edu rows of real prose whose lengths vary like web text: lognormal
     characters around `median` (sigma 1: a tenth of them over 3.6x the median, some over
@@ -161,6 +171,24 @@ def heavy_tailed_rows(n: int, median: int, giants: int, giant_chars: int, seed: 
     return rows
 
 
+def long_document_rows(n: int, median: int, seed: int = 0) -> list[dict]:
+    """n FineWeb-Edu rows of real prose, each a stretch of the embedded corpus's text not
+    shared with another row (while the text lasts), lognormal in length around `median`
+    characters (sigma 1: a tenth of them over 3.6x the median, some over 10x)."""
+    rng = np.random.default_rng(seed)
+    prose = "\n\n".join(doc.text for doc in embedded_documents())
+    lengths = np.maximum(rng.lognormal(np.log(median), 1.0, n), 20).astype(int)
+    rows, start = [], 0
+    for i, length in enumerate(lengths):
+        if start + length > len(prose):
+            start = 0
+        row = fineweb_rows(1, offset=i)[0]
+        row["text"] = f"{prose[start : start + length]} [{i}]"
+        rows.append(row)
+        start += length
+    return rows
+
+
 def write_parquet(path: Path, rows: list[dict], row_group_size: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist(rows, schema=FINEWEB_SCHEMA)
@@ -168,21 +196,48 @@ def write_parquet(path: Path, rows: list[dict], row_group_size: int) -> None:
 
 
 def stream_documents(steps: list, origins: list) -> Counter:
-    """The documents a run's windows hold: each stream's windows in order (by their
-    origins: source, epoch, stream, step, offset), cut after every EOS; asserts every
-    stream's windows end with a document."""
-    streams: dict = {}
+    """The documents a run's windows hold, put together from the windows' pieces (each
+    window's origin, (source, epoch, stream, step, offset, pieces), lists where its tokens
+    came from: a document, its first token, how many); asserts that the pieces fill the
+    windows and every document is whole: its pieces follow each other from its first token
+    and it ends with EOS."""
+    documents: dict = {}
     for step_windows, step_origins in zip(steps, origins, strict=True):
         for window, origin in zip(step_windows, step_origins, strict=True):
-            if window:
-                streams.setdefault(origin[:3], []).append((origin[3:], window))
-    documents = Counter()
-    for pieces in streams.values():
-        tokens = [t for _, window in sorted(pieces) for t in window]
-        complete, rest = split_after_eos(tokens)
-        assert rest == []
-        documents.update(complete)
-    return documents
+            at = 0
+            for document, first, length in origin[5]:
+                key = (*origin[:3], document)
+                documents.setdefault(key, []).append((first, window[at : at + length]))
+                at += length
+            assert at == len(window), origin
+    whole = Counter()
+    for pieces in documents.values():
+        tokens: list[int] = []
+        for first, piece in sorted(pieces):
+            assert first == len(tokens)
+            tokens += piece
+        assert tokens[-1] == EOS
+        whole[tuple(tokens)] += 1
+    return whole
+
+
+def window_documents(origin) -> set:
+    """The documents a window holds a token of, by its origin's pieces."""
+    return {(*origin[:3], document) for document, _, _ in origin[5]}
+
+
+def documents_per_step(origins: list) -> list[int]:
+    """Per step (its windows' origins), the documents with a token in it."""
+    return [len(set().union(*map(window_documents, step))) for step in origins]
+
+
+def repeats(origins: list) -> list[int]:
+    """Per step after the first, the readers (one window each a step) whose window holds a
+    token of a document their previous window held."""
+    return [
+        sum(bool(window_documents(a) & window_documents(b)) for a, b in zip(*pair, strict=True))
+        for pair in itertools.pairwise(origins)
+    ]
 
 
 EOS = 2

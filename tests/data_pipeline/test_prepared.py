@@ -41,12 +41,19 @@ def test_prepare_writes_every_document_once_in_its_split(prepared, embedded_toke
 
 def test_prepared_samples_are_shuffled_and_each_read_once_per_epoch(prepared, embedded_tokenizer):
     """8 readers over 2 data-parallel ranks: one epoch's windows are megatron's samples,
-    each once, whatever the layout."""
+    each once, whatever the layout; each window's pieces name the documents and tokens it
+    holds."""
     out, _, meta = prepared
     data = DataConfig(sources=[f"prepared:{out}"], num_workers=0, seed=4)
     ranks = Ranks(2)
     datas = ranks.build(data, embedded_tokenizer, 32, global_batch=8, micro=2)
-    windows = [tuple(w) for step in ranks.epoch(datas) for w in step if w]
+    epoch = ranks.epoch(datas)
+    windows = [tuple(w) for step in epoch for w in step if w]
+    documents = IndexedDataset(str(out / "train"))
+    for step, origins in zip(epoch, ranks.origins, strict=True):
+        for window, origin in zip(step, origins, strict=True):
+            pieces = [documents[d][first : first + n].tolist() for (d,), first, n in origin[5]]
+            assert list(itertools.chain(*pieces)) == window
     prepared_source = source(f"prepared:{out}")
     prepared_source.open(datas[0].settings)
     gpt = prepared_source.samples("train")  # megatron's GPTDataset, built by open()

@@ -9,7 +9,8 @@ import torch
 
 from data_pipeline.build import build_train_data
 from data_pipeline.config import DataConfig
-from data_pipeline.schedule import FIELDS, JOIN_DELAY, Schedule
+from data_pipeline.schedule import JOIN_DELAY, Schedule
+from data_pipeline.stream import AHEAD, UNIT
 
 WINDOW = 10
 
@@ -18,11 +19,11 @@ def report(schedule: Schedule, advance) -> list[np.ndarray]:
     """A step's summed report in which stream h moves `advance(h, deal)` units on (0: it
     stays where it is but reports), as the readers first in each stream's order would."""
     deal = schedule.deals[0]
-    rows = np.zeros((schedule.readers, 1 + FIELDS), dtype=np.int64)
+    rows = np.zeros((schedule.readers, 1 + schedule.fields), dtype=np.int64)
     for h in set(deal.follow.tolist()):
         rows[h, 0] = 1
-        rows[h, 1 : 1 + FIELDS] = deal.positions[h]
-        rows[h, 1] = min(deal.positions[h, 0] + advance(h, deal), len(deal.lists[h]))
+        rows[h, 1:] = deal.positions[h]
+        rows[h, 1 + UNIT] = min(deal.positions[h, UNIT] + advance(h, deal), len(deal.lists[h]))
     return [rows.ravel()]
 
 
@@ -34,10 +35,10 @@ def test_each_epoch_deals_every_unit_once_as_streams_need_them_then_turns():
     while schedule.deals[0].epoch < 3:
         deal = schedule.deals[0]
         epoch, lists = deal.epoch, [list(units) for units in deal.lists]
-        before = deal.positions[:, 0].copy()
+        before = deal.positions[:, UNIT].copy()
         turned = schedule.commit(report(schedule, lambda h, d, k=step: (h + k) % 3 == 0), [0])
         for h, units in enumerate(lists):  # the units each stream passed in this step
-            passed = units[before[h] : len(units) if turned[0] else deal.positions[h, 0]]
+            passed = units[before[h] : len(units) if turned[0] else deal.positions[h, UNIT]]
             read[epoch] += passed
         if turned[0]:
             epochs.append(step)
@@ -63,11 +64,11 @@ def test_readers_join_only_in_the_tail_and_no_stream_gets_more_than_it_can_fill(
     assert schedule.view_needed(schedule.step) == schedule.step  # the tail: in step
     # streams 0-3 run out; 4 and 5 read their ends ahead: 3 and 25 windows left
     for h in range(8):
-        deal.positions[h, 0] = len(deal.lists[h]) if h < 4 else len(deal.lists[h]) - 1
-    deal.positions[4, 5], deal.positions[5, 5] = 3 * WINDOW, 25 * WINDOW - 4
+        deal.positions[h, UNIT] = len(deal.lists[h]) if h < 4 else len(deal.lists[h]) - 1
+    deal.positions[4, AHEAD], deal.positions[5, AHEAD] = 3 * WINDOW, 25 * WINDOW - 4
     deal._index()
     if schedule.step < emptied + JOIN_DELAY - 1:
-        schedule.commit([np.zeros(8 * (1 + FIELDS), dtype=np.int64)], [0])
+        schedule.commit([np.zeros(8 * (1 + schedule.fields), dtype=np.int64)], [0])
     deal.join(np.ones(8, dtype=np.int64), WINDOW)
     members = np.bincount(deal.follow, minlength=8)
     assert members[:4].sum() == 0 and members[4] <= 3 and members.sum() == 8

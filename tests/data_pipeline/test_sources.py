@@ -235,7 +235,7 @@ def test_a_row_group_read_in_parts_is_decoded_once(tmp_path, monkeypatch):
     src = source(str(tmp_path / "a.parquet"), id_column="id")
     parts = src.units(8)
     assert len(parts) == 8 and {(p.group, p.stop - p.start) for p in parts} == {(0, 5)}
-    decoded = []  # a new file (tmp_path): none of its groups is in the process's cache yet
+    decoded = []  # a new source: none of its groups is decoded yet
     read_row_group = pq.ParquetFile.read_row_group
     monkeypatch.setattr(
         pq.ParquetFile, "read_row_group",

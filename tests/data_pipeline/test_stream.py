@@ -3,6 +3,7 @@ documents' lengths), padding only at an epoch's end, positions that continue exa
 any data-parallel size and worker count, mixtures, the validation split, and what a state
 may be loaded into."""
 
+import copy
 import json
 import logging
 import re
@@ -15,6 +16,7 @@ import pytest
 import torch
 from corpora import (
     EOS,
+    expected_documents,
     fineweb_rows,
     heavy_tailed_rows,
     one_row_group_files,
@@ -33,16 +35,11 @@ from ranks import Ranks, resumed
 
 from data_pipeline.build import build_train_data, build_validation_data
 from data_pipeline.config import DataConfig
-from data_pipeline.documents import split_of, text_id
-from data_pipeline.stream import slot_source
+from data_pipeline.documents import text_id
+from data_pipeline.stream import Position, slot_source
 
 CPU = torch.device("cpu")
 SEQ = 32
-
-
-def expected_documents(tokenizer, rows, fraction) -> Counter:
-    train = [r["text"] for r in rows if split_of(r["id"], fraction) == "train"]
-    return Counter(tuple(ids) for ids in tokenizer.encode_batch(train, add_eos=True))
 
 
 def padding(steps: list, seq_len: int) -> float:
@@ -389,6 +386,47 @@ def test_a_state_from_before_line_starts_loads_where_the_cuts_are_the_same(
         else:
             with pytest.raises(ValueError, match=r"cut into other units .* line starts"):
                 resumed.load_state_dict(state)
+
+
+def test_a_state_of_one_document_per_stream_continues_at_its_position(tmp_path, embedded_tokenizer):
+    """A data state saved before streams kept several documents open (format 2: each
+    stream's document, unit, row and tokens taken) continues with this run's lanes at its
+    position: stopped 3 steps into an epoch, with streams in the middle of documents, the
+    rest of the epoch delivers what the first steps did not, every document exactly once."""
+    rows = write_fineweb(tmp_path / "fw", files=4, rows_per_file=20, row_group_size=7, chars=400)
+    data = DataConfig(
+        sources=[{"uri": f"{tmp_path}/fw/sample/10BT/*.parquet", "id_column": "id"}],
+        num_workers=0, validation_fraction=0.1, seed=5, open_documents=1,
+    )  # fmt: skip
+    first = Ranks(1)
+    datas = first.build(data, embedded_tokenizer, SEQ, global_batch=8, micro=8)
+    before = first.steps(datas, 3)
+    state = format_2(datas[0].state_dict())
+    assert any(position[2] for position in state["schedule"]["sources"][0]["positions"])
+    rest = Ranks(1)
+    lanes = data.model_copy(update={"open_documents": 4})
+    continued = rest.build(lanes, embedded_tokenizer, SEQ, global_batch=8, micro=8)
+    continued[0].load_state_dict(state)
+    after = rest.epoch(continued)
+    assert stream_documents(before + after, first.origins + rest.origins) == expected_documents(
+        embedded_tokenizer, rows, 0.1
+    )
+
+
+def format_2(state: dict) -> dict:
+    """The data state of a run with one lane as the belief-lm before lanes wrote it: per
+    stream (unit, row, tokens taken, unit_tokens, unit_bad, ahead) of its document."""
+    old = copy.deepcopy(state)
+    old["format"] = 2
+    del old["layout"]["open_documents"]
+    for deal in old["schedule"]["sources"]:
+        positions = []
+        for position in map(Position.unpack, deal["positions"]):
+            unit, row, taken = position.lanes[0][1:] if position.lanes else (*position[:2], 0)
+            positions.append([unit, row, taken, *position[2:5]])
+        deal["positions"] = np.array(positions)
+        del deal["finished_rows"]
+    return old
 
 
 def test_stats_count_rows_documents_skips_and_tokens(tmp_path, embedded_tokenizer):

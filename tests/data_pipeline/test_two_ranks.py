@@ -36,4 +36,7 @@ def test_ranks_stop_and_resume_exactly_on_two_or_one(tmp_path):
         torchrun(tmp_path, "resume", nproc)
         assert torch.load(tmp_path / f"resumed-{nproc}.pt") == full[5:], f"on {nproc} rank(s)"
     windows = [tuple(w) for step in full for w in step if w]
-    assert len(set(windows)) == len(windows)  # no window twice: the test can fail
+    # windows differ, so the test can fail: all but the first windows of the two rows that
+    # begin alike (the pydoc topics of "if" and "else": a stream's first windows each begin
+    # with a document, opened in a lane of its own)
+    assert len(set(windows)) >= len(windows) - 2

@@ -1,5 +1,6 @@
 """The Hugging Face export: transformers loads it and computes what BeliefLM computes."""
 
+import re
 import subprocess
 import sys
 
@@ -44,6 +45,46 @@ def test_logits_equal_ours(make_checkpoint, tmp_path, arch, variant):
         expected = ours(ids).transpose(0, 1)
         torch.testing.assert_close(hf(ids).logits, expected, rtol=1e-5, atol=1e-5)
         assert hf.config.attention == variant
+
+
+@pytest.mark.parametrize(
+    ("variant", "arch"), [("attention_bn", "llama"), ("belief_star", "llama"), ("softmax", "gpt2")]
+)
+def test_logits_equal_ours_with_qk_norm(make_checkpoint, tmp_path, variant, arch):
+    """model.qk_norm exported (q_norm, k_norm of each layer, random weights): the logits of
+    the whole sequence and of each step through the cache are ours (RoPE and GQA, the
+    recentring of Attention-BN, learned positions)."""
+    from belief_lm.checkpoint.manifest import seal
+
+    checkpoint = make_checkpoint(seed=3, attention=variant, qk_norm=True, **ARCHITECTURES[arch])
+    states = checkpoint / "mp_rank_00_model_states.pt"
+    saved = torch.load(states, weights_only=True)
+    norms = [n for n in saved["module"] if re.search(r"\.[qk]_layernorm\.weight$", n)]
+    assert len(norms) == 4  # 2 layers, queries and keys
+    generator = torch.Generator().manual_seed(0)
+    for name in norms:  # away from their initial ones: a misplaced weight shows
+        saved["module"][name] = 1 + 0.5 * torch.randn(
+            saved["module"][name].shape, generator=generator
+        )
+    torch.save(saved, states)
+    seal(checkpoint)
+    ours = load_model(checkpoint, device="cpu").model
+    _, hf = hf_export(checkpoint, tmp_path)
+    torch.testing.assert_close(
+        hf.model.layers[1].self_attn.k_norm.weight,
+        saved["module"]["layers.1.self_attention.k_layernorm.weight"],
+    )
+    ids = tokens(16)
+    with torch.no_grad():
+        expected = ours(ids).transpose(0, 1)
+        torch.testing.assert_close(hf(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        out = hf(ids[:, :6], use_cache=True)
+        steps = [out.logits]
+        for i in range(6, 16):
+            out = hf(ids[:, i : i + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-4)
+    assert hf.config.qk_norm
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -183,3 +224,50 @@ torch.save({{"logits": logits, "prompt": prompt, "greedy": greedy[0, len(prompt)
     )  # fmt: skip
     assert ours == without_eos(got["greedy"])
     assert consolidate(trained_checkpoint).info.step == 3
+
+
+@pytest.mark.parametrize(
+    ("variant", "qk_norm"), [(v, False) for v in VARIANTS] + [("belief_star", True)]
+)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_export_and_import_read_one_table(arch, variant, qk_norm):
+    """hf_state_dict writes exactly the description's Hugging Face tensors, and
+    from_hf_state_dict, reading the same table the other way, gives every tensor back."""
+    from belief_lm.config import ModelConfig
+    from belief_lm.description import describe
+    from belief_lm.export.hf import from_hf_state_dict, hf_state_dict
+
+    model = ModelConfig(**SMALL, attention=variant, qk_norm=qk_norm, **ARCHITECTURES[arch])
+    description = describe(model, 512)
+    generator = torch.Generator().manual_seed(0)
+    ours = {w.name: torch.randn(w.shape, generator=generator) for w in description.weights()}
+    theirs = hf_state_dict(ours, description)
+    assert {n: tuple(t.shape) for n, t in theirs.items()} == {
+        part.name: w.hf_shape(part) for w in description.weights() for part in w.hf
+    }
+    back = from_hf_state_dict(theirs, description)
+    assert back.keys() == ours.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_import_refuses_tensors_that_do_not_fit():
+    """A tensor the model has no place for, one of the wrong shape, a fused weight given in
+    part: each a ValueError naming the tensor; a weight given not at all is left out."""
+    from belief_lm.config import ModelConfig
+    from belief_lm.description import describe
+    from belief_lm.export.hf import from_hf_state_dict
+
+    description = describe(ModelConfig(**SMALL, **LLAMA_LIKE), 512)
+    full = {p.name: torch.zeros(w.hf_shape(p)) for w in description.weights() for p in w.hf}
+    q = "model.layers.1.self_attn.q_proj.weight"
+    cases = [
+        ({**full, "model.rotary_emb.inv_freq": torch.zeros(4)}, "model.rotary_emb.inv_freq"),
+        ({**full, q: torch.zeros(33, 32)}, f"tensor {q}: shape (33, 32), the run's model has"),
+        ({n: t for n, t in full.items() if n != q}, "layers.1.self_attention.linear_qkv.weight"),
+    ]
+    for state, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            from_hf_state_dict(state, description)
+    lacking = {n: t for n, t in full.items() if "o_proj" not in n}
+    assert len(from_hf_state_dict(lacking, description)) == len(description.weights()) - 2

@@ -96,9 +96,10 @@ DOCKER_ENGINE = str(HERE / "docker_engine.sh")
 
 class DockerEngine:
     """A private dockerd holding the base image belief-lm-ci/base (debootstrap + torch) and
-    the project's image, made in a background thread from the end of collection: its
-    minutes (debootstrap, pip in the image builds; mostly waiting on the network and the
-    disk) pass while the tests before test_docker.py run."""
+    the project's image, made in a background thread from the first test of this folder
+    (on the xdist worker that runs the folder): its minutes (debootstrap, pip in the image
+    builds; mostly waiting on the network and the disk) pass while the SLURM tests, which
+    run first, and the other worker's tests run."""
 
     def __init__(self) -> None:
         self.state: Path | None = None
@@ -141,9 +142,17 @@ class DockerEngine:
 DOCKER = DockerEngine()
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start making the Docker engine and images if Docker tests are to run and can."""
-    wanted = any(item.path.name == "test_docker.py" for item in session.items)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The Docker tests last (after the SLURM tests and, without xdist, the rest), so the
+    images are made meanwhile."""
+    items.sort(key=lambda item: item.path.name == "test_docker.py")  # stable: only moves those
+
+
+@pytest.fixture(scope="session", autouse=True)
+def docker_images_made_meanwhile(request: pytest.FixtureRequest) -> None:
+    """Start making the Docker engine and images if Docker tests are to run and can (at the
+    first test of this folder: only the worker that runs this folder makes them)."""
+    wanted = any(item.path.name == "test_docker.py" for item in request.session.items)
     if wanted and os.geteuid() == 0 and all(shutil.which(tool) for tool in DOCKER_TOOLS):
         DOCKER.start()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stands in for `belief-lm train` in the signal and requeue tests of slurm/pretrain.sbatch
 # that need no training, keeping to the contract the template relies on: on a stop signal
-# (SIGUSR1, SIGTERM, SIGINT), save and exit 75 (launcher.slurm.REQUEUE_EXIT_CODE); when
+# (SIGUSR1, SIGTERM, SIGINT), save and exit 75 (belief_lm.exit_codes.PREEMPTED); when
 # requeued (SLURM_RESTART_COUNT > 0), resume and finish.
 set -euo pipefail
 if ((${SLURM_RESTART_COUNT:-0} > 0)); then

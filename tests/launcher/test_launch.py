@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from belief_lm import exit_codes
 from belief_lm.checkpoint.files import newest_checkpoint, read_info
 from belief_lm.cli import main
 from belief_lm.exit_codes import PREEMPTED
 from belief_lm.train.loop import train
-from launcher.slurm import TEMPLATE
+from launcher.slurm import TEMPLATE, exit_code_settings
 from tests.jobs import (
     MICRO,
     losses,
@@ -124,8 +125,15 @@ def test_rendered_script_passes_shellcheck(capsys, tmp_path, extra):
     assert out.returncode == 0, out.stdout
 
 
-def test_template_requeues_on_the_launcher_exit_code():
-    assert f"\nREQUEUE_EXIT_CODE={PREEMPTED}\n" in TEMPLATE.read_text()
+def test_the_job_script_has_the_trainers_exit_codes(capsys, monkeypatch):
+    """The template, which also runs as written (`sbatch slurm/pretrain.sbatch`), holds
+    belief_lm.exit_codes' codes; `launch slurm` writes them from there."""
+    assert exit_code_settings() in TEMPLATE.read_text()
+    assert f"\nREQUEUE_EXIT_CODE={PREEMPTED} " in TEMPLATE.read_text()
+    monkeypatch.setattr(exit_codes, "PREEMPTED", 99)
+    monkeypatch.setattr(exit_codes, "NOT_RESTARTED", (0, 2, 3, 99))
+    _, script, _ = dry_run(capsys, "slurm")
+    assert "\nREQUEUE_EXIT_CODE=99 " in script and "\nNOT_RESTARTED=(0 2 3 99) " in script
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from belief_lm.exit_codes import PEER_LOST
 from belief_lm.parallel import heartbeat
 from belief_lm.train import run_dir as run_directory
 from launcher import local
-from launcher.slurm import TEMPLATE
+from launcher.slurm import TEMPLATE, exit_code_settings
 from tests.jobs import MICRO, ROOT, losses, processes_mentioning, start_cli, wait_for_rows
 from tests.launcher.test_launch import children
 
@@ -184,18 +184,12 @@ def test_a_dead_rank_restarts_in_place_and_continues_like_an_uninterrupted_run(
     }  # fmt: skip
 
 
-def test_the_launchers_know_the_trainers_codes_and_files():
-    """Job submission is torch-free and reads only the config: what it shares with the
-    trainer is written twice, and held equal here."""
-    codes = (local.BAD_INPUT, local.LOSS_SPIKES, local.PEER_LOST, local.PREEMPTED)
-    assert codes == (exit_codes.BAD_INPUT, exit_codes.LOSS_SPIKES, exit_codes.PEER_LOST,
-                     exit_codes.PREEMPTED)  # fmt: skip
+def test_the_launchers_know_the_trainers_files():
+    """Job submission is torch-free and reads only the config and the exit codes: the
+    names of the files it shares with the trainer are written twice, and held equal here."""
     assert local.RESTART_VARIABLE == run_directory.RESTART_VARIABLE
     assert local.HEARTBEATS == heartbeat.DIRECTORY
-    template = TEMPLATE.read_text()
-    assert f"export {run_directory.RESTART_VARIABLE}\n" in template
-    assert f'grep -v "exit code {exit_codes.PEER_LOST}$"' in template
-    assert f"case $status in 0 | {exit_codes.BAD_INPUT} | {exit_codes.LOSS_SPIKES} |" in template
+    assert f"export {run_directory.RESTART_VARIABLE}\n" in TEMPLATE.read_text()
 
 
 def test_the_job_script_restarts_failed_steps_as_configured(capsys):
@@ -205,6 +199,33 @@ def test_the_job_script_restarts_failed_steps_as_configured(capsys):
 
 
 KILLED_BY_SRUN = "srun: First task exited 30s ago\n"  # what srun prints when --wait runs out
+
+
+def template_functions(*names: str) -> str:
+    """The job script template's bash functions `names`."""
+    template = TEMPLATE.read_text()
+    return "\n".join(
+        re.search(rf"^{name}\(\) \{{.*?^\}}$", template, re.M | re.S)[0] for name in names
+    )
+
+
+def test_the_job_script_restarts_what_launch_local_restarts():
+    """The template's restartable and launch local decide alike, from the same codes: a
+    failed step restarts unless it ended done, on bad input, on loss spikes or stopped."""
+    others = [exit_codes.FAILED, exit_codes.DATA_FAULT, exit_codes.PEER_LOST, 134, 137, 143]
+    ends = [*exit_codes.NOT_RESTARTED, *others, 7]  # 7: a part of 75, not 75
+    script = f"""set -euo pipefail
+{exit_code_settings()}
+{template_functions("restartable")}
+for status in "$@"; do restartable "$status" && echo "$status restarts" || echo "$status ends"; done
+"""
+    out = subprocess.run(["bash", "-c", script, "-", *map(str, ends)], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert out.split("\n")[:-1] == [
+        f"{code} {'ends' if code in local.NOT_RESTARTED else 'restarts'}" for code in ends
+    ]
+    assert {exit_codes.DONE, exit_codes.BAD_INPUT, exit_codes.LOSS_SPIKES,
+            exit_codes.PREEMPTED} == set(local.NOT_RESTARTED)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -233,14 +254,11 @@ def test_the_job_script_records_what_failed(tmp_path, srun_status, errors, statu
     tasks and its status -> the step's exit code and starts.jsonl's JSON. A dead rank's code
     and cause are its own even when its peer's 69 reached srun first; a silent rank's are
     the 69 of the peer that found it, naming the task srun killed."""
-    template = TEMPLATE.read_text()
-    functions = "\n".join(
-        re.search(rf"^{name}\(\) \{{.*?^\}}$", template, re.M | re.S)[0]
-        for name in ("failed_task", "failed_status", "restart_cause")
-    )
+    functions = template_functions("failed_task", "failed_status", "restart_cause")
     (tmp_path / "errors").write_text(errors)
     script = f"""set -euo pipefail
 FAILURE_RESTARTS=2
+{exit_code_settings()}
 {functions}
 status=$(failed_status "$(failed_task "$1")" {srun_status})
 echo "$status"

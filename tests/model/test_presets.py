@@ -2,60 +2,21 @@
 tensor-parallel rank and pipeline stage holds exactly the parameters the architecture
 says, with no process group of that size (and the planner counts the same)."""
 
-import contextlib
-
 import pytest
 import torch
 from deepspeed.runtime.utils import partition_balanced
-from megatron.core import parallel_state
 
-from belief_lm.config import ModelConfig, load_config
+from belief_lm.config import ModelConfig
+from belief_lm.description import describe, stage_layers
 from belief_lm.model.gpt import BeliefLM, DecoderLayer
 from belief_lm.model.pipeline import layer_specs
 from belief_lm.parallel.gather import count_model_parameters
-from belief_lm.plan import stage_layers, stage_parameters
 from belief_lm.variants import VARIANTS
+from tests.models import preset, tensor_parallel_rank
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
 
 LLAMA_VOCAB = 128_256
-
-
-class StandInGroup:
-    """What megatron 0.16's layers ask of their tensor-parallel group while being built:
-    its size and this rank's place in it (they read them from the group object, through
-    get_pg_size / get_pg_rank, not from parallel_state's world-size setters)."""
-
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
-@contextlib.contextmanager
-def tensor_parallel_rank(size: int, rank: int):
-    """Build as rank `rank` of `size` tensor-parallel ranks: a stand-in group in
-    parallel_state, and its world-size / rank setters for code that asks them; all
-    restored afterwards."""
-    ps = parallel_state
-    saved = ps._TENSOR_MODEL_PARALLEL_GROUP
-    ps._TENSOR_MODEL_PARALLEL_GROUP = StandInGroup(size, rank)
-    ps.set_tensor_model_parallel_world_size(size)
-    ps.set_tensor_model_parallel_rank(rank)
-    try:
-        yield
-    finally:
-        ps._TENSOR_MODEL_PARALLEL_GROUP = saved
-        ps.set_tensor_model_parallel_world_size(None)
-        ps.set_tensor_model_parallel_rank(None)
-
-
-def preset(name: str, **updates) -> ModelConfig:
-    return load_config(f"configs/model/{name}.yaml").model.model_copy(update=updates)
 
 
 def expected_rank_parameters(
@@ -118,7 +79,7 @@ def test_llama_1b_on_tensor_parallel_ranks(tp, variant):
         assert shards["layers.0.input_layernorm.weight"].shape == (2048,)  # replicated
         count = rank_parameters(built)
         assert count == expected_rank_parameters(model, tp), (tp, rank)
-        assert count == stage_parameters(model, LLAMA_VOCAB, tp, 1)[0]
+        assert count == describe(model, LLAMA_VOCAB).rank_parameters(tp, 1)[0]
 
 
 def test_llama_8b_on_tp8_pp4_stages():
@@ -141,12 +102,12 @@ def test_llama_8b_on_tp8_pp4_stages():
                 count = sum(rank_parameters(m) for m in built if isinstance(m, torch.nn.Module))
                 expected = expected_rank_parameters(model, tp, stage, stages, layers=8)
                 assert count == expected, (variant, stage)
-                assert count == stage_parameters(model, LLAMA_VOCAB, tp, stages)[stage]
+                assert count == describe(model, LLAMA_VOCAB).rank_parameters(tp, stages)[stage]
 
 
 @pytest.mark.parametrize("stages", range(1, 9))
 def test_planner_splits_layers_as_deepspeed(stages):
-    """plan.stage_layers is DeepSpeed's partition_balanced of our layer specs."""
+    """description.stage_layers is DeepSpeed's partition_balanced of our layer specs."""
     for layers in range(stages, 41):
         weights = [0] + [1] * layers + [0, 0]  # embedding, layers, final norm, output
         parts = partition_balanced(weights, stages)

@@ -30,28 +30,45 @@ def run_driver(
     return out_dir
 
 
+STABILITY_VARIANTS = ["belief_star", "attention_bn"]
+"""Variants trained with QK-norm and a z-loss (driver.STABILITY) in the equivalence jobs:
+the one with most weights, and the one that recentres the normalized queries and keys."""
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Path:
-    """Single-process (TP=PP=DP=1) records of every variant."""
+    """Single-process (TP=PP=DP=1) records of every variant, and of STABILITY_VARIANTS
+    with QK-norm and a z-loss (the plain loss)."""
     from belief_lm.variants import VARIANTS
 
-    return run_driver(tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, list(VARIANTS))
+    stability = ",".join(STABILITY_VARIANTS)
+    return run_driver(
+        tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, list(VARIANTS), "--stability", stability
+    )
 
 
 @pytest.fixture(scope="session")
 def tp2(tmp_path_factory) -> Path:
-    """TP=2 records of every variant (one torchrun: start-up dominates on CPU)."""
+    """TP=2 records of every variant, and of STABILITY_VARIANTS with QK-norm and a z-loss
+    over loss chunks (one torchrun: start-up dominates on CPU)."""
     from belief_lm.variants import VARIANTS
 
-    return run_driver(tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, list(VARIANTS))
+    stability = ",".join(STABILITY_VARIANTS)
+    return run_driver(
+        tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, list(VARIANTS), "--stability", stability,
+        "--chunk", "13",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def tp2_pp2_dp2(tmp_path_factory) -> Path:
     """belief_star records at TP=2 x PP=2 x DP=2 (ZeRO-1), checkpointed after its last step
-    (8 processes: one run serves the equivalence and the change-of-layout tests)."""
+    (8 processes: one run serves the equivalence and the change-of-layout tests), and with
+    QK-norm and a z-loss (the z-loss reported through the pipeline engine)."""
     out = tmp_path_factory.mktemp("tp2pp2dp2")
-    return run_driver(out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3")
+    return run_driver(
+        out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3", "--stability", "belief_star"
+    )
 
 
 def load_run(out_dir: Path, variant: str, zero: int) -> dict:
@@ -60,7 +77,7 @@ def load_run(out_dir: Path, variant: str, zero: int) -> dict:
     files = sorted(out_dir.glob(f"{variant}-zero{zero}-rank*.pt"))
     assert files, f"no results for {variant} in {out_dir}"
     records = [torch.load(f, weights_only=False) for f in files]
-    merged = {"losses": records[0]["losses"], "grad_norms": records[0]["grad_norms"]}
+    merged = {key: records[0][key] for key in ("losses", "grad_norms", "z_losses")}
     merged.update(grads=[], params={})
     for step in range(len(records[0]["grads"])):
         merged["grads"].append({k: v for r in records for k, v in r["grads"][step].items()})

@@ -3,14 +3,17 @@
     torchrun --nproc_per_node=N tests/parallel/driver.py OUT TP PP ZERO[,ZERO..] VARIANT[,VARIANT..]
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --save-at K
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANT --resume CHECKPOINT
+    torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --stability VARIANT[,..]
 
 Builds the model in its engine exactly as training does (build_trainee, through
 tests.models.trainee_for) and runs a few steps with train_step, on data that depends only on
 (step, global sequence index), so every layout sees the same global batch. Records on every
 rank: the global-batch loss of each step, the full gradient of every parameter just before
 each optimizer step (ZeRO fragments and TP shards gathered, pipeline names mapped to
-BeliefLM's), and the full parameters at the end.
-Writes OUT_DIR/<variant>-zero<stage>-rank<r>.pt.
+BeliefLM's), the full parameters at the end, and each step's z-loss when train.z_loss is
+set. Writes OUT_DIR/<variant>-zero<stage>-rank<r>.pt. With --stability, the variants named
+there also train with model.qk_norm and train.z_loss (STABILITY; with --chunk N a chunked
+loss too), written as OUT_DIR/<variant>-stability-zero<stage>-rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from belief_lm.train import trainer_state  # noqa: E402
 from tests.models import trainee_for  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
+STABILITY = ("model.qk_norm=true", "train.z_loss=0.01")
+"""The stability options' runs: QK-norm and a z-loss large enough to move the gradients."""
 
 
 def config(tp: int, pp: int, zero: int, variant: str, *overrides: str):
@@ -124,10 +129,13 @@ def run(
         return take_step(*args, **kwargs)
 
     engine._take_model_step = capture_then_step
-    losses, norms = [], []
+    losses, norms, z_losses = [], [], []
     for _ in range(first, save_at or steps):
-        losses.append(trainee.global_mean(trainee.train_step(data).loss))
+        outcome = trainee.train_step(data)
+        losses.append(trainee.global_mean(outcome.loss))
         norms.append(float(engine.get_global_grad_norm()))
+        if "z_loss" in outcome.reported:
+            z_losses.append(trainee.global_mean(outcome.reported["z_loss"]))
     if save_at:
         tokenizer = Path(out_dir) / "tokenizer.model"  # the checkpoint copies it; any bytes do
         tokenizer.write_bytes(b"synthetic data: no tokenizer")
@@ -149,6 +157,7 @@ def run(
         {
             "losses": losses,
             "grad_norms": norms,
+            "z_losses": z_losses,
             "grads": grads_per_step,
             "params": params,
             "logits": logits,
@@ -171,9 +180,13 @@ def main() -> None:
     grid = join(tp, pp, timeout_s=300)
     save_at = int(options["--save-at"]) if "--save-at" in options else None
     steps = int(options.get("--steps", STEPS))
+    stability = [*STABILITY, f"train.loss_chunk_tokens={options.get('--chunk', 0)}"]
     for zero in zero_stages:  # one process grid for all: start-up dominates on CPU
         for variant in variants:
             run(grid, out_dir, zero, variant, save_at, options.get("--resume"), steps)
+        for variant in filter(None, options.get("--stability", "").split(",")):
+            name = f"{variant}-stability"
+            run(grid, out_dir, zero, variant, overrides=tuple(stability), name=name, steps=steps)
     dist.barrier()
 
 

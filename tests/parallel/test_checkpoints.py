@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from belief_lm.checkpoint.files import universal_path
+from belief_lm.checkpoint.loading import refusals
 from tests.jobs import MICRO, run_cli
 from tests.parallel.conftest import assert_equivalent, load_run, run_driver
 
@@ -30,6 +32,7 @@ def zero2_run(tmp_path_factory, cache_dir):
 def test_bit_exact_resume_zero2_tp2_dp2(zero2_run, tmp_path, cache_dir):
     run_dir, layout, losses = zero2_run
     step3 = run_dir / "checkpoints" / "step_000003"
+    assert refusals(step3) == []  # nothing beyond what a checkpoint may hold (loading.py)
     resumed = train(4, tmp_path, cache_dir, *layout, f"checkpoint.resume={step3}")
     assert list(resumed) == [4, 5, 6]
     assert [resumed[s] for s in (4, 5, 6)] == [losses[s] for s in (4, 5, 6)]
@@ -39,6 +42,7 @@ def test_bit_exact_resume_tp2_pp2(tmp_path, cache_dir):
     layout = ["parallel.tensor=2", "parallel.pipeline=2", "checkpoint.interval=3"]
     losses = train(4, tmp_path / "a", cache_dir, *layout)
     step3 = tmp_path / "a" / "checkpoints" / "step_000003"
+    assert refusals(step3) == []
     resumed = train(4, tmp_path / "b", cache_dir, *layout, f"checkpoint.resume={step3}")
     assert [resumed[s] for s in (4, 5, 6)] == [losses[s] for s in (4, 5, 6)]
 
@@ -80,6 +84,7 @@ def test_resume_on_another_layout(saved_8_ranks, reference_6_steps, tmp_path, tp
         tmp_path, tp, pp, dp, 1, ["belief_star"], "--resume", str(saved_8_ranks), "--steps", "6"
     )
     resumed = load_run(out, "belief_star", 1)
+    assert refusals(saved_8_ranks) == refusals(universal_path(saved_8_ranks)) == []
     later = {
         "losses": reference_6_steps["losses"][3:],
         "grad_norms": reference_6_steps["grad_norms"][3:],

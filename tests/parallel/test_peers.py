@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from belief_lm.exit_codes import PEER_LOST
 from belief_lm.parallel import heartbeat, peers
 from tests.parallel.conftest import torchrun
 
@@ -32,11 +33,20 @@ def test_a_heartbeat_is_rewritten_with_the_step_and_stops(tmp_path):
 
 
 def test_a_rank_without_a_readable_heartbeat_is_silent(tmp_path):
+    """No file, half a file, or one of another shape (a list, a time that is no number):
+    no heartbeat; a peer report of another shape is none to the launcher either."""
+    from launcher.local import Failure
+
     (tmp_path / heartbeat.DIRECTORY).mkdir()
     heartbeat.path_of(tmp_path, 1).write_text("{half a fi")
-    beats = heartbeat.read(tmp_path, [0, 1])
-    assert beats == {0: None, 1: None}
-    assert heartbeat.silent(beats, after_s=100) == [0, 1]
+    heartbeat.path_of(tmp_path, 2).write_text('["a", "list"]')
+    beat = {"rank": 3, "host": "h", "pid": 1, "step": 0, "time": "now", "started": 0.0}
+    heartbeat.path_of(tmp_path, 3).write_text(json.dumps(beat))
+    beats = heartbeat.read(tmp_path, [0, 1, 2, 3])
+    assert beats == {0: None, 1: None, 2: None, 3: None}
+    assert heartbeat.silent(beats, after_s=100) == [0, 1, 2, 3]
+    (tmp_path / heartbeat.DIRECTORY / "peer_lost.x.json").write_text('["not", "a", "report"]')
+    assert "silent" not in Failure(rank=0, pid=1, code=PEER_LOST).record(tmp_path, since=0.0)
 
 
 def test_beats_are_a_tenth_of_the_timeout_within_bounds():

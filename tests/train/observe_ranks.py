@@ -32,8 +32,9 @@ def main() -> int:
     scale = {"loss": 1.0}
     real_loss, real_forward, real_step = gpt.lm_loss, gpt.BeliefLM.forward, Trainer.train_step
 
-    def lm_loss(logits, labels):
-        return real_loss(logits, labels) * scale["loss"]
+    def lm_loss(logits, labels, z_loss=0.0):
+        terms = real_loss(logits, labels, z_loss)
+        return terms._replace(loss=terms.loss * scale["loss"])
 
     def forward(self, *args, **kwargs):
         if rank == 1:

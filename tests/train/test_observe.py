@@ -44,8 +44,9 @@ class SpikedSteps:
         self.steps, self.scale = steps, 1.0
         real_loss, real_step = gpt.lm_loss, Trainer.train_step
 
-        def lm_loss(logits, labels):
-            return real_loss(logits, labels) * self.scale
+        def lm_loss(logits, labels, z_loss=0.0):
+            terms = real_loss(logits, labels, z_loss)
+            return terms._replace(loss=terms.loss * self.scale)
 
         def train_step(trainer):
             self.scale = SPIKE if trainer.step + 1 in self.steps else 1.0

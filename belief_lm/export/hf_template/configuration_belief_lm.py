@@ -23,6 +23,7 @@ class BeliefLMConfig(PretrainedConfig):
         max_position_embeddings: int = 128,
         normalization: str = "LayerNorm",
         norm_epsilon: float = 1e-5,
+        qk_norm: bool = False,
         activation: str = "gelu",
         position_embedding: str = "learned_absolute",
         rotary_base: float = 10000.0,
@@ -44,6 +45,7 @@ class BeliefLMConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.normalization = normalization  # "LayerNorm" or "RMSNorm"
         self.norm_epsilon = norm_epsilon
+        self.qk_norm = qk_norm  # RMSNorm of each head's queries and keys before RoPE
         self.activation = activation  # "gelu" or "swiglu"
         self.position_embedding = position_embedding  # "learned_absolute" or "rope"
         self.rotary_base = rotary_base

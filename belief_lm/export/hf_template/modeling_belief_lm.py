@@ -6,7 +6,9 @@ at export, so the variants compute exactly what training computed.
 
 The layout is belief-lm's (megatron-core's): token (+ learned position) embedding, pre-norm
 decoder layers x += attn(norm(x)); x += mlp(norm(x)), a final norm and a tied or untied
-head. RoPE is megatron's non-interleaved form (rotate the two halves of each head).
+head. RoPE is megatron's non-interleaved form (rotate the two halves of each head); with
+qk_norm each head's queries and keys go through an RMSNorm (q_norm, k_norm: one weight of
+head_dim each, as Qwen3's) before it.
 
 Attention is causal. `generate` decodes with a cache of every variant's state
 (`BeliefLMCache`: belief_attention.DecodeCache; use_cache=True by default): the prompt runs
@@ -85,6 +87,9 @@ class BeliefLMAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, width, bias=bias)  # W^o
         if self.variant.extra_projection:
             self.s_proj = nn.Linear(self.heads * self.head_dim, width, bias=False)  # W^s
+        if config.qk_norm:  # per head, before RoPE
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_epsilon)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_epsilon)
 
     def forward(
         self, x: Tensor, angles: Tensor | None, cache: LayerCache | None, step: DecodeStep | None
@@ -93,6 +98,8 @@ class BeliefLMAttention(nn.Module):
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if angles is not None:
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
         c = self.config
