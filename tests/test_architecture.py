@@ -169,6 +169,75 @@ def test_the_group_check_sees_each_form(tmp_path):
     ]
 
 
+LIBRARIES = ("torch", "deepspeed", "megatron")
+"""The libraries whose private parts only belief_lm/compat.py reaches, each reach checked
+against the installed versions by tests/test_compat.py."""
+
+
+def library_module(node: ast.ImportFrom) -> bool:
+    return not node.level and (node.module or "").split(".")[0] in LIBRARIES
+
+
+def library_private_reaches(path: Path) -> list[str]:
+    """Where `path` reaches a private name of torch, DeepSpeed or megatron-core through a
+    name it imported: `from torch.x import _y`, `torch.cuda.memory._record_memory_history`,
+    `ps._TENSOR_MODEL_PARALLEL_GROUP` (attributes of objects those return are not seen)."""
+    tree = ast.parse(path.read_text())
+    bound, found = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")[0]
+                if top in LIBRARIES:  # `import a.b` binds a; `import a.b as c` binds c to a.b
+                    bound[alias.asname or top] = alias.name if alias.asname else top
+                    found.add((node.lineno, alias.name))
+        elif isinstance(node, ast.ImportFrom) and library_module(node):
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                found.add((node.lineno, f"{node.module}.{alias.name}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr):
+            name = dotted(node)
+            head, _, rest = (name or "").partition(".")
+            if head in bound:
+                found.add((node.lineno, f"{bound[head]}.{rest}"))
+    private = {(line, name) for line, name in found if any(map(is_private, name.split(".")))}
+    return [f"line {line}: {name}" for line, name in sorted(private)]
+
+
+def test_only_compat_reaches_the_libraries_private_parts():
+    """torch's, DeepSpeed's and megatron-core's private names are reached in
+    belief_lm/compat.py alone, where tests/test_compat.py checks each against the installed
+    versions (benchmarks included)."""
+    compat = ROOT / "belief_lm" / "compat.py"
+    paths = [p for package in (*PACKAGES, "bench") for p in sources(package) if p != compat]
+    found = {
+        str(path.relative_to(ROOT)): reaches
+        for path in paths
+        if (reaches := library_private_reaches(path))
+    }
+    assert not found, found
+    assert library_private_reaches(compat), "compat.py reaches nothing private: the check is blind"
+
+
+def test_the_library_private_check_sees_each_form(tmp_path):
+    code = tmp_path / "x.py"
+    code.write_text(
+        "import torch\n"
+        "from megatron.core import parallel_state as ps\n"
+        "from torch.distributed.distributed_c10d import _world\n"
+        "import deepspeed.runtime._private as p\n"
+        "torch.cuda.memory._dump_snapshot('x'), ps._GROUP, torch.cuda.memory.__name__\n"
+        "engine._take_model_step\n"
+    )
+    assert library_private_reaches(code) == [
+        "line 3: torch.distributed.distributed_c10d._world",
+        "line 4: deepspeed.runtime._private",
+        "line 5: megatron.core.parallel_state._GROUP",
+        "line 5: torch.cuda.memory._dump_snapshot",
+    ]
+
+
 def is_private(name: object) -> bool:
     # __file__ and the like are public; a name that is no string (setattr(m, x)) is unknown
     return isinstance(name, str) and name.startswith("_") and not name.endswith("__")
