@@ -174,33 +174,22 @@ LIBRARIES = ("torch", "deepspeed", "megatron")
 against the installed versions by tests/test_compat.py."""
 
 
-def library_module(node: ast.ImportFrom) -> bool:
-    return not node.level and (node.module or "").split(".")[0] in LIBRARIES
-
-
 def library_private_reaches(path: Path) -> list[str]:
     """Where `path` reaches a private name of torch, DeepSpeed or megatron-core through a
     name it imported: `from torch.x import _y`, `torch.cuda.memory._record_memory_history`,
     `ps._TENSOR_MODEL_PARALLEL_GROUP` (attributes of objects those return are not seen)."""
     tree = ast.parse(path.read_text())
-    bound, found = {}, set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                top = alias.name.split(".")[0]
-                if top in LIBRARIES:  # `import a.b` binds a; `import a.b as c` binds c to a.b
-                    bound[alias.asname or top] = alias.name if alias.asname else top
-                    found.add((node.lineno, alias.name))
-        elif isinstance(node, ast.ImportFrom) and library_module(node):
-            for alias in node.names:
-                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-                found.add((node.lineno, f"{node.module}.{alias.name}"))
+    bound = imported(tree, LIBRARIES, lambda module: module.split(".")[0] in LIBRARIES)
+    found = {(line, name) for name, line in bound.values()}  # the imports themselves,
+    found |= {  # and `import torch._dynamo` (which binds torch)
+        (node.lineno, alias.name) for node in ast.walk(tree) if isinstance(node, ast.Import)
+        for alias in node.names if alias.name.split(".")[0] in LIBRARIES
+    }  # fmt: skip
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and is_private(node.attr):
-            name = dotted(node)
-            head, _, rest = (name or "").partition(".")
+            head, _, rest = (dotted(node) or "").partition(".")
             if head in bound:
-                found.add((node.lineno, f"{bound[head]}.{rest}"))
+                found.add((node.lineno, f"{bound[head][0]}.{rest}"))
     private = {(line, name) for line, name in found if any(map(is_private, name.split(".")))}
     return [f"line {line}: {name}" for line, name in sorted(private)]
 
@@ -226,13 +215,14 @@ def test_the_library_private_check_sees_each_form(tmp_path):
         "import torch\n"
         "from megatron.core import parallel_state as ps\n"
         "from torch.distributed.distributed_c10d import _world\n"
-        "import deepspeed.runtime._private as p\n"
+        "import deepspeed.runtime._private as p, torch._dynamo\n"
         "torch.cuda.memory._dump_snapshot('x'), ps._GROUP, torch.cuda.memory.__name__\n"
         "engine._take_model_step\n"
     )
     assert library_private_reaches(code) == [
         "line 3: torch.distributed.distributed_c10d._world",
         "line 4: deepspeed.runtime._private",
+        "line 4: torch._dynamo",
         "line 5: megatron.core.parallel_state._GROUP",
         "line 5: torch.cuda.memory._dump_snapshot",
     ]
@@ -257,19 +247,26 @@ def dotted(node: ast.expr) -> str | None:
     return None
 
 
-def ours_bound(tree: ast.Module) -> dict[str, str]:
-    """The names a file binds to something of our packages (at any depth, under any alias)
-    -> its full dotted name."""
+def imported(tree: ast.Module, tops: tuple[str, ...], accept) -> dict[str, tuple[str, int]]:
+    """The names a file binds by importing from packages `tops` (at any depth, under any
+    alias; `from m import x` where accept(m)) -> (its full dotted name, the import's line)."""
     bound = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 top = alias.name.split(".")[0]
-                if top in PACKAGES:  # `import a.b` binds a; `import a.b as c` binds c to a.b
-                    bound[alias.asname or top] = alias.name if alias.asname else top
-        elif isinstance(node, ast.ImportFrom) and not node.level and is_ours(node.module or ""):
-            bound.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+                if top in tops:  # `import a.b` binds a; `import a.b as c` binds c to a.b
+                    full = alias.name if alias.asname else top
+                    bound[alias.asname or top] = (full, node.lineno)
+        elif isinstance(node, ast.ImportFrom) and not node.level and accept(node.module or ""):
+            for a in node.names:
+                bound[a.asname or a.name] = (f"{node.module}.{a.name}", node.lineno)
     return bound
+
+
+def ours_bound(tree: ast.Module) -> dict[str, str]:
+    """The names a file binds to something of our packages -> its full dotted name."""
+    return {name: full for name, (full, _) in imported(tree, PACKAGES, is_ours).items()}
 
 
 ATTRIBUTE_CALLS = ("setattr", "getattr", "delattr")
