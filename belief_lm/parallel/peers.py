@@ -157,8 +157,10 @@ class Peers:
         try:
             yield
         except BaseException as err:
-            self.stop()
-            lost = self.diagnose(err) if isinstance(err, RuntimeError) else None
+            try:  # diagnosed while the watch is up: its heartbeats name the silent ranks
+                lost = self.diagnose(err) if isinstance(err, RuntimeError) else None
+            finally:
+                self.stop()
             if lost is None or lost is err:
                 raise
             raise lost from err
