@@ -1,9 +1,13 @@
-"""Every place belief-lm relies on a private part of torch.distributed, megatron-core or
-DeepSpeed, in one file.
+"""Every place belief-lm relies on a private part of torch, torch.distributed, megatron-core
+or DeepSpeed, in one file.
 
 Each reach says what it assumes and why we need it; `tests/test_compat.py` and
 `tests/parallel/test_compat.py` check every assumption against the installed versions, so
 an upgrade that breaks one fails there, naming it, rather than somewhere in training.
+
+torch: the multi-tensor in-place multiply (`_foreach_mul_`) our gradient clipping scales
+with, and the CUDA allocator's history (`torch.cuda.memory._record_memory_history`,
+`_dump_snapshot`) a profiled step records.
 
 torch.distributed:
 - The timeout of process groups made without one. torch gives every group made by
@@ -39,6 +43,31 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor
 from torch.distributed import distributed_c10d
+
+# torch -----------------------------------------------------------------------------------
+
+
+def scale_in_place(tensors: list[Tensor], factor: float) -> None:
+    """Multiply each of `tensors` in place by `factor`, one multi-tensor kernel per device
+    and dtype: torch's `_foreach_mul_`, which torch.nn.utils.clip_grad_norm_ calls too (its
+    public clip_grads_with_norm_ would compute the factor in the gradients' dtype, not in
+    float64 as DeepSpeed's clipping and ours do)."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def record_memory_history(max_entries: int) -> None:
+    """Record the CUDA caching allocator's events from now on, keeping the newest
+    `max_entries` (torch.cuda.memory's _record_memory_history, the API documented with
+    pytorch.org/memory_viz)."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_memory_history(path: str) -> None:
+    """Write the allocator history recorded so far to `path` (a snapshot pickle for
+    pytorch.org/memory_viz), then stop recording."""
+    torch.cuda.memory._dump_snapshot(path)
+    torch.cuda.memory._record_memory_history(enabled=None)
+
 
 # torch.distributed -----------------------------------------------------------------------
 

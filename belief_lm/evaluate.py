@@ -20,7 +20,8 @@ from belief_lm.checkpoint.consolidate import consolidate, load_full_state
 from belief_lm.errors import BadInput
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.parallel import env as process_env
-from belief_lm.parallel.setup import init_distributed, init_model_parallel
+from belief_lm.parallel.dims import ParallelDims
+from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.runtime import select_device
 from belief_lm.train.validation import validation_batches, validation_loss
 from data_pipeline.config import SourceConfig
@@ -40,8 +41,8 @@ def evaluate(
     `trust`: see consolidate."""
     env = process_env.detect()
     torch_device = select_device(device, env.local_rank)
-    init_distributed(env, torch_device)
-    layout = init_model_parallel(tensor, 1)
+    grid = ProcessGrid.join(env, torch_device, ParallelDims(env.world_size, tensor, 1))
+    layout = grid.layout
     # every rank reads the files: no conversion, no collective
     ckpt = consolidate(checkpoint, trust=trust)
     cfg = ckpt.config
@@ -59,7 +60,7 @@ def evaluate(
         cfg.model, ckpt.info.vocab_size, layout.tensor, seed=cfg.run.seed, eos_id=tokenizer.eos_id
     )  # the documents, under model.attention_mask=document, as in training
     load_full_state(model, ckpt.state_dict)
-    loss, tokens = validation_loss(model.to(torch_device), batches)
+    loss, tokens = validation_loss(model.to(torch_device), batches, grid.data_group)
     if tokens == 0:
         raise BadInput(
             f"no validation data for {checkpoint} (data: {[s.uri for s in data.sources]})"

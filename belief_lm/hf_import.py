@@ -207,9 +207,9 @@ def llama_weights(files: list[Path], cfg: Config, vocab_size: int) -> dict:
     fresh = {}
     if len(converted) < len(weights):
         from belief_lm.model.gpt import BeliefLM
-        from belief_lm.parallel.setup import single_process_groups
+        from belief_lm.parallel.grid import ProcessGrid
 
-        single_process_groups()
+        ProcessGrid.single_process()
         causal = cfg.model.model_copy(update={"attention_mask": "causal"})  # the same weights
         fresh = BeliefLM(causal, vocab_size, seed=cfg.run.seed).state_dict()
     return {w.name: converted.get(w.name, fresh.get(w.name)).float().contiguous() for w in weights}

@@ -25,7 +25,7 @@ import torch.utils.benchmark as benchmark
 from belief_lm.config import load_config
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.parallel.gather import count_model_parameters
-from belief_lm.parallel.setup import single_process_groups
+from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.runtime import select_device
 from belief_lm.variants import VARIANTS
 from bench.common import write_result
@@ -63,7 +63,7 @@ def main() -> None:
     fused = ["model.compile=projections"] if args.fused else []
     model_cfg = load_config(args.model, [*overrides, *fused]).model
     device = select_device(args.device)
-    single_process_groups()
+    ProcessGrid.single_process()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     gen = torch.Generator().manual_seed(0)
     shape = (args.batch, model_cfg.seq_length)

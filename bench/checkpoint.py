@@ -5,7 +5,7 @@ written synchronously and in the background (checkpoint.async_save).
     python bench/checkpoint.py --models llama-188m     # a subset
 
 Each model runs in a process of its own (this file with --worker): one rank, fp32, ZeRO-1,
-the real engine (bench.common.bench_engine) on random tokens (sequences of 128, one per
+the real engine (bench.common.bench_trainee) on random tokens (sequences of 128, one per
 step: the step only has to exist, the state is what is measured), its checkpoints written through
 belief-lm's Checkpointer to the local disk (each file synced before it counts). Measured:
 - sync: the time `save` takes (the training stall: the engine's state serialised, written,
@@ -91,16 +91,16 @@ def worker(model: str, out: Path, scratch: Path) -> None:
     from belief_lm.checkpoint.files import CheckpointInfo, problems
     from belief_lm.checkpoint.store import Checkpointer, rng_state
     from belief_lm.config import load_config, padded_vocab_size
+    from belief_lm.parallel.dims import ParallelDims
     from belief_lm.parallel.env import detect
-    from belief_lm.parallel.setup import init_distributed, init_model_parallel
-    from bench.common import bench_engine
+    from belief_lm.parallel.grid import ProcessGrid
+    from bench.common import bench_trainee
 
     cfg = load_config(f"configs/model/{model}.yaml", [*SHAPE, *MODELS[model]])
-    init_distributed(detect({}), torch.device("cpu"))
-    layout = init_model_parallel(1, 1)
+    grid = ProcessGrid.join(detect({}), torch.device("cpu"), ParallelDims(1, 1, 1))
     vocab = padded_vocab_size(cfg.model.vocab_size, cfg.model, 1)
-    trainee = bench_engine(cfg, layout, vocab, torch.device("cpu"))
-    engine = trainee.deepspeed
+    trainee = bench_trainee(cfg, grid, vocab, torch.device("cpu"))
+    engine = trainee.engine
     gen = torch.Generator().manual_seed(0)
 
     def batches():

@@ -35,18 +35,19 @@ def write_result(path: str | Path, result: dict, device: torch.device) -> Path:
     return path
 
 
-def bench_engine(cfg, layout, vocab_size: int, device: torch.device, eos_id: int | None = None):
-    """build_engine with what pre-flight decides for `cfg` (precision, accumulation), except
+def bench_trainee(cfg, grid, vocab_size: int, device: torch.device, eos_id: int | None = None):
+    """build_trainee on process grid `grid` with what pre-flight decides for `cfg`
+    (precision, accumulation), except
     that train.precision=bf16 runs on a CPU too: belief-lm refuses it there (slow, and not
     what a CPU run is for), but DeepSpeed's bf16 engines run on a CPU, and a benchmark that
     checks or measures bf16 without a GPU needs them. `eos_id`: where documents end under
     model.attention_mask=document."""
     from belief_lm.preflight import grad_accumulation_steps, use_bf16
-    from belief_lm.train.engine import build_engine
+    from belief_lm.train.engine import build_trainee
 
     precision = cfg.train.precision
     bf16 = precision == "bf16" or use_bf16(precision, device.type)
-    accumulation = grad_accumulation_steps(cfg, layout.data)
-    return build_engine(
-        cfg, layout, vocab_size, device, bf16=bf16, accumulation=accumulation, eos_id=eos_id
+    accumulation = grad_accumulation_steps(cfg, grid.layout.data)
+    return build_trainee(
+        cfg, grid, vocab_size, device, bf16=bf16, accumulation=accumulation, eos_id=eos_id
     )

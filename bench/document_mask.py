@@ -40,11 +40,12 @@ import torch.nn.functional as F
 
 from belief_lm import attention as family
 from belief_lm.config import load_config, padded_vocab_size
+from belief_lm.parallel.dims import ParallelDims
 from belief_lm.parallel.env import detect
-from belief_lm.parallel.setup import init_distributed, init_model_parallel
+from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.runtime import select_device
 from belief_lm.variants import VARIANTS
-from bench.common import bench_engine, write_result
+from bench.common import bench_trainee, write_result
 from data_pipeline.build import build_tokenizer, build_validation_data
 
 
@@ -67,8 +68,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = select_device(args.device)
-    init_distributed(detect(), device)
-    layout = init_model_parallel(1, 1)
+    grid = ProcessGrid.join(detect(), device, ParallelDims(1, 1, 1))
     overrides = [
         f"model.seq_length={args.seq}", f"train.micro_batch_size={args.batch}",
         f"train.global_batch_size={args.batch}", "train.global_batch_tokens=null",
@@ -97,7 +97,7 @@ def main() -> None:
     result["variants"] = {}
     for variant in args.variants if args.steps else []:
         result["variants"][variant] = step_times(
-            cfg, variant, batches, vocab, tokenizer.eos_id, layout, device, args
+            cfg, variant, batches, vocab, tokenizer.eos_id, grid, device, args
         )
     result["load_after"] = os.getloadavg()
     suffix = f"_{args.device}" + ("" if args.dtype == "fp32" else f"_{args.dtype}")
@@ -105,13 +105,13 @@ def main() -> None:
     print("wrote", write_result(out, result, device))
 
 
-def step_times(cfg, variant, batches, vocab, eos_id, layout, device, args) -> dict:
+def step_times(cfg, variant, batches, vocab, eos_id, grid, device, args) -> dict:
     """Both masks' engines stepping in turns: the median step time of each, the ratio."""
     engines = {}
     for mask in ("causal", "document"):
         run = cfg.model_copy(deep=True)
         run.model = cfg.model.model_copy(update={"attention": variant, "attention_mask": mask})
-        engines[mask] = bench_engine(run, layout, vocab, device, eos_id=eos_id)
+        engines[mask] = bench_trainee(run, grid, vocab, device, eos_id=eos_id)
     times: dict[str, list[tuple[float, float]]] = {mask: [] for mask in engines}
     losses: dict[str, list[float]] = {mask: [] for mask in engines}
     cycle = itertools.cycle(batches)
@@ -130,7 +130,7 @@ def step_times(cfg, variant, batches, vocab, eos_id, layout, device, args) -> di
           f"{document['median_ms']:.0f} ms: x{document['ratio']:.3f} (CPU time "
           f"x{document['cpu_ratio']:.3f})", flush=True)  # fmt: skip
     for trainee in engines.values():
-        trainee.deepspeed.destroy()
+        trainee.engine.destroy()
     return row
 
 
@@ -169,7 +169,7 @@ def kernels(model, batches, eos_id: int, device, args) -> dict:
 
 def one_step(trainee, batch, losses: list[float]) -> None:
     """A training step on `batch`; its loss appended (.item(): a host sync, the step done)."""
-    losses.append(trainee.train_step(iter([batch])).item())
+    losses.append(trainee.train_step(iter([batch])).loss.item())
 
 
 def timed(work, device) -> tuple[float, float]:

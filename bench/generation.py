@@ -27,7 +27,7 @@ import torch
 from belief_lm.config import load_config
 from belief_lm.inference.generate import Sampling, generate
 from belief_lm.model.gpt import BeliefLM
-from belief_lm.parallel.setup import single_process_groups
+from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.runtime import select_device
 from belief_lm.variants import VARIANTS
 from bench.common import write_result
@@ -63,7 +63,7 @@ def main() -> None:
             f"({model_cfg.seq_length}): past it the cache is not used"
         )
     device = select_device(args.device)
-    single_process_groups()
+    ProcessGrid.single_process()
     prompt = torch.randint(0, args.vocab, (args.prompt_tokens,),
                            generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
     models = {

@@ -17,7 +17,7 @@ Throughput: each model x attention x option set (OPTION_SETS by name: plain, fus
 other fast paths one at a time, all of them as `tuned`; or named config overrides, e.g.
 fused=model.compile=projections) at the preset's sequence length and the largest
 micro-batch that fits (doubling until out of memory, then one step between), timed as the
-trainer runs: `build_engine` (DeepSpeed, bf16, ZeRO-1, the project's AdamW) and the loop's
+trainer runs: `build_trainee` (DeepSpeed, bf16, ZeRO-1, the project's AdamW) and the loop's
 own `train_step`, on synthetic tokens (no data loading: the loader's workers run ahead of
 the GPU). Warm-up steps excluded, median step time of the rest; TFLOP/s and MFU from
 belief_lm.train.flops. The JSON is rewritten after every run, so a run cut short still
@@ -52,12 +52,13 @@ from belief_lm import attention as family
 from belief_lm.config import Config, load_config
 from belief_lm.model.attention_layer import CAPTURE
 from belief_lm.model.gpt import BeliefLM
+from belief_lm.parallel.dims import ParallelDims
 from belief_lm.parallel.env import detect
-from belief_lm.parallel.setup import init_distributed, init_model_parallel
+from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.runtime import select_device
 from belief_lm.train.flops import flops_per_token, peak_tflops
 from belief_lm.variants import VARIANTS
-from bench.common import bench_engine, write_result
+from bench.common import bench_trainee, write_result
 
 MODELS = {
     "gpt2-124m": "configs/model/gpt2-124m.yaml",
@@ -134,19 +135,18 @@ class Bench:
 def main() -> None:
     args = parse_args()
     device = select_device("cpu" if args.smoke else "cuda")
-    init_distributed(detect(), device)
-    layout = init_model_parallel(1, 1)
+    grid = ProcessGrid.join(detect(), device, ParallelDims(1, 1, 1))
     if args.out is None:
         name = "cpu_smoke" if args.smoke else slug(torch.cuda.get_device_name(device))
         args.out = f"bench/results/gpu_{'paper_' if args.paper else ''}{name}.json"
     bench = Bench(args, device)
     bench.result |= libraries(device)
     if args.paper:
-        paper_runs(bench, layout)
+        paper_runs(bench, grid)
     else:
-        bench.result["correctness"] = correctness(bench, layout)
+        bench.result["correctness"] = correctness(bench, grid)
         bench.save()
-        throughput(bench, layout)
+        throughput(bench, grid)
     bench.save()
     print(markdown_table(bench.result), flush=True)
     print("wrote", args.out, f"({bench.elapsed():.0f} s)")
@@ -264,16 +264,17 @@ def timed_steps(trainee, batches, steps: int, device) -> tuple[list[float], list
     for _ in range(steps):
         synchronize(device)
         start = time.perf_counter()
-        loss = trainee.train_step(batches)
+        loss = trainee.train_step(batches).loss
         losses.append(loss.item())  # host-device sync: waits for the whole step
         synchronize(device)
         times.append(time.perf_counter() - start)
     return times, losses
 
 
-def engine(cfg: Config, layout, device):
-    """The engine of `cfg` (bf16 where it asks for it: on the CPU too, for --smoke)."""
-    return bench_engine(cfg, layout, cfg.model.vocab_size, device, eos_id=DOCUMENT_END)
+def trainee_of(cfg: Config, grid, device):
+    """The model of `cfg` in its engine (bf16 where it asks for it: on the CPU too, for
+    --smoke)."""
+    return bench_trainee(cfg, grid, cfg.model.vocab_size, device, eos_id=DOCUMENT_END)
 
 
 def batches_for(cfg: Config, micro_batch: int, seed: int, device, count: int = 1) -> list[tuple]:
@@ -285,8 +286,8 @@ def batches_for(cfg: Config, micro_batch: int, seed: int, device, count: int = 1
 
 def release(trainee) -> None:
     """Drop an engine's hooks and return freed memory (callers drop their references)."""
-    if trainee is not None and hasattr(trainee.deepspeed, "destroy"):
-        trainee.deepspeed.destroy()
+    if trainee is not None and hasattr(trainee.engine, "destroy"):
+        trainee.engine.destroy()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -296,10 +297,10 @@ def release(trainee) -> None:
 # ---- correctness ------------------------------------------------------------------------
 
 
-def correctness(bench: Bench, layout) -> dict:
-    checks = {"process_group": process_group(bench.device)}
+def correctness(bench: Bench, grid) -> dict:
+    checks = {"process_group": process_group(bench.device, grid)}
     print("process group:", checks["process_group"], flush=True)
-    checks["bf16_vs_fp32"] = bf16_against_fp32(bench, layout)
+    checks["bf16_vs_fp32"] = bf16_against_fp32(bench, grid)
     fused = any("model.compile=projections" in o for o in bench.args.options.values())
     checks["sdpa_kernels"], checks["belief_inner_products"] = {}, {}
     checks["document_kernels"] = {}
@@ -310,23 +311,21 @@ def correctness(bench: Bench, layout) -> dict:
     return checks
 
 
-def process_group(device: torch.device) -> dict:
+def process_group(device: torch.device, grid: ProcessGrid) -> dict:
     """The world this process joined (nccl on GPU) and one all-reduce through it."""
-    from megatron.core import parallel_state
-
     ones = torch.ones(4, device=device)
     dist.all_reduce(ones)
     return {
         "backend": dist.get_backend(),
         "world_size": dist.get_world_size(),
-        "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+        "tensor_parallel": grid.layout.tensor,
         "all_reduce_ok": bool((ones == dist.get_world_size()).all()),
     }
 
 
-def bf16_against_fp32(bench: Bench, layout) -> dict:
+def bf16_against_fp32(bench: Bench, grid) -> dict:
     """`tiny` trained in bf16 and in fp32 from the same seed (same initial weights) on the
-    same batches, through DeepSpeed's bf16 engine on CPU too (smoke: bench_engine)."""
+    same batches, through DeepSpeed's bf16 engine on CPU too (smoke: bench_trainee)."""
     steps = bench.args.check_steps
     vocab = [] if bench.args.smoke else ["model.vocab_size=4096"]
     curves = []
@@ -337,7 +336,7 @@ def bf16_against_fp32(bench: Bench, layout) -> dict:
         )  # fmt: skip
         shape = (cfg.model.vocab_size, 16, cfg.model.seq_length)
         batches = token_batches(*shape, seed=0, device=bench.device, count=16)
-        trainee = engine(cfg, layout, bench.device)
+        trainee = trainee_of(cfg, grid, bench.device)
         curves.append(timed_steps(trainee, itertools.cycle(batches), steps, bench.device)[1])
         release(trainee)
         del trainee
@@ -439,7 +438,7 @@ def inner_product_check(mh: torch.Tensor, v: torch.Tensor, fused: bool) -> dict:
 # ---- throughput -------------------------------------------------------------------------
 
 
-def throughput(bench: Bench, layout) -> None:
+def throughput(bench: Bench, grid) -> None:
     known: dict[tuple, int] = {}  # (model, attention) -> micro-batch found by an earlier run
     for preset, (option, overrides), attention in itertools.product(
         bench.args.models, bench.args.options.items(), bench.args.attentions
@@ -452,7 +451,7 @@ def throughput(bench: Bench, layout) -> None:
         print(f"{preset} {attention} {option}:", flush=True)
         try:
             cfg_for = functools.partial(run_config, bench, preset, attention, overrides)
-            entry |= measure_largest(bench, layout, cfg_for, known.get((preset, attention), 1))
+            entry |= measure_largest(bench, grid, cfg_for, known.get((preset, attention), 1))
             known[(preset, attention)] = entry["micro_batch"]
             print(f"  micro-batch {entry['micro_batch']}: {entry['tokens_per_s']:,.0f} tokens/s, "
                   f"{fmt(entry['peak_memory_gb'], '')} GB", flush=True)  # fmt: skip
@@ -477,7 +476,7 @@ def run_config(bench: Bench, preset: str, attention: str, overrides, micro_batch
     )
 
 
-def measure_largest(bench: Bench, layout, cfg_for, start: int) -> dict:
+def measure_largest(bench: Bench, grid, cfg_for, start: int) -> dict:
     """Find the largest micro-batch that fits, from `start`: double while steps fit (one
     engine), halve while they do not, then bisect between the last fit and the first miss
     to within a quarter; measure there. An engine that ran out of memory is not reused."""
@@ -487,7 +486,7 @@ def measure_largest(bench: Bench, layout, cfg_for, start: int) -> dict:
     while candidate is not None:
         try:
             if trainee is None:
-                trainee = engine(cfg_for(candidate), layout, device)
+                trainee = trainee_of(cfg_for(candidate), grid, device)
             step_at(trainee, cfg_for(candidate), candidate, device)
             fits = candidate
         except OOM:
@@ -497,7 +496,7 @@ def measure_largest(bench: Bench, layout, cfg_for, start: int) -> dict:
         raise RuntimeError(f"micro-batch 1 does not fit in memory (searched from {start})")
     while True:  # a fragmented allocator can miss a size that fitted: step down
         try:
-            trainee = trainee or engine(cfg_for(fits), layout, device)
+            trainee = trainee or trainee_of(cfg_for(fits), grid, device)
             result = measure(bench, trainee, cfg_for(fits), fits)
             release(trainee)
             return result
@@ -567,7 +566,7 @@ def add_ratios(runs: list[dict]) -> None:
 # ---- the paper's configs ------------------------------------------------------------------
 
 
-def paper_runs(bench: Bench, layout) -> None:
+def paper_runs(bench: Bench, grid) -> None:
     args = bench.args
     for path in sorted(glob.glob("configs/paper/*.yaml")):
         entry: dict = {"config": path}
@@ -577,7 +576,7 @@ def paper_runs(bench: Bench, layout) -> None:
             continue
         print(path, flush=True)
         try:
-            entry |= paper_run(bench, layout, path)
+            entry |= paper_run(bench, grid, path)
             print(f"  {entry['tokens_per_s']:,.0f} tokens/s; projected "
                   f"{entry['projection']['hours']:.1f} h on {entry['projection']['gpus']} GPUs",
                   flush=True)  # fmt: skip
@@ -586,7 +585,7 @@ def paper_runs(bench: Bench, layout) -> None:
         bench.save()
 
 
-def paper_run(bench: Bench, layout, path: str) -> dict:
+def paper_run(bench: Bench, grid, path: str) -> dict:
     """--paper-steps of one rank's share of the config's global batch on one GPU."""
     full = load_config(path)
     gpus = full.launch.nodes * full.launch.gpus_per_node
@@ -600,7 +599,7 @@ def paper_run(bench: Bench, layout, path: str) -> dict:
         )
     cfg = load_config(path, overrides)
     micro = cfg.train.micro_batch_size
-    trainee = engine(cfg, layout, bench.device)
+    trainee = trainee_of(cfg, grid, bench.device)
     shape = (cfg.model.vocab_size, micro, cfg.model.seq_length)
     batches = itertools.cycle(token_batches(*shape, seed=3, device=bench.device, count=2))
     if bench.device.type == "cuda":

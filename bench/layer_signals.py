@@ -18,11 +18,12 @@ import time
 import torch
 
 from belief_lm.config import load_config
+from belief_lm.parallel.dims import ParallelDims
 from belief_lm.parallel.env import detect
-from belief_lm.parallel.setup import init_distributed, init_model_parallel
+from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.train.diagnostics import belief_diagnostics
 from belief_lm.train.layer_signals import layer_grad_norms
-from bench.common import bench_engine, write_result
+from bench.common import bench_trainee, write_result
 
 
 def main() -> None:
@@ -35,11 +36,10 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
     device = torch.device("cpu")
-    init_distributed(detect({}), device)  # one process (DeepSpeed reads LOCAL_RANK)
-    layout = init_model_parallel(1, 1)
+    grid = ProcessGrid.join(detect({}), device, ParallelDims(1, 1, 1))  # one process
     vocab = 4096
-    engine = bench_engine(cfg, layout, vocab, device)
-    ds = engine.deepspeed
+    trainee = bench_trainee(cfg, grid, vocab, device)
+    ds = trainee.engine
     generator = torch.Generator().manual_seed(0)
     shape = (cfg.train.micro_batch_size, cfg.model.seq_length)
     tokens = torch.randint(0, vocab, shape, generator=generator)
@@ -55,9 +55,9 @@ def main() -> None:
             layer_grad_norms(ds.module)
             norms_s = time.perf_counter() - started
 
-        engine.before_update = before_update if measure else None
+        trainee.before_update = before_update if measure else None
         started = time.perf_counter()
-        engine.train_step(iter([(tokens, tokens)] * accumulation))
+        trainee.train_step(iter([(tokens, tokens)] * accumulation))
         return time.perf_counter() - started - norms_s, norms_s
 
     step(False)  # warm-up

@@ -6,7 +6,7 @@ checked on the CPU allocator.
     python bench/memory.py --models tiny   # a subset
 
 Each case runs bench/memory_worker.py in a process (or torchrun job) of its own: the real
-engine (build_engine) on random tokens, belief_star, fp32 (and bf16 for tiny: DeepSpeed's
+engine (build_trainee) on random tokens, belief_star, fp32 (and bf16 for tiny: DeepSpeed's
 bf16 engines run on a CPU), sequences and batches shortened. Measured on every rank from
 torch's profiler, which sees each allocation of the CPU allocator: the peak of bytes
 allocated from before the model is built through two optimizer steps (what

@@ -3,7 +3,7 @@
     python bench/memory_worker.py OUT_DIR CONFIG [overrides...]
     torchrun --nproc_per_node=N bench/memory_worker.py OUT_DIR CONFIG [overrides...]
 
-Builds the engine as training does (bench.common.bench_engine: build_engine) and runs
+Builds the engine as training does (bench.common.bench_trainee: build_trainee) and runs
 optimizer steps on random tokens, with torch's profiler recording every allocation of the
 CPU allocator from before the model exists: the peak of bytes allocated is what
 torch.cuda.max_memory_allocated would report on a GPU (memory touched or not, without the
@@ -29,10 +29,11 @@ import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from belief_lm.config import load_config  # noqa: E402
+from belief_lm.parallel.dims import ParallelDims  # noqa: E402
 from belief_lm.parallel.env import detect  # noqa: E402
-from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
+from belief_lm.parallel.grid import ProcessGrid  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
-from bench.common import bench_engine  # noqa: E402
+from bench.common import bench_trainee  # noqa: E402
 
 PROFILED_STEPS = 2
 """Steps under the profiler: Adam's moments appear in the first; the second is steady."""
@@ -48,10 +49,10 @@ def micro_batches(cfg, vocab: int):
 
 
 def step(trainee, data, phases: bool) -> None:
-    """One optimizer step, as TrainEngine.train_step takes it, its phases marked for the
+    """One optimizer step, as Trainee.train_step takes it, its phases marked for the
     profiler (forward, backward, the optimizer step at the accumulation boundary). The
     pipeline engine's 1F1B schedule is one call, without phases."""
-    engine = trainee.deepspeed
+    engine = trainee.engine
     if trainee.pipelined:
         trainee.train_step(data)
         return
@@ -101,12 +102,11 @@ def allocation_profile(prof) -> dict:
     return {"peak": max(totals, default=0), "phases": out}
 
 
-def calibrate(cfg, layout) -> tuple[float, float | None]:
+def calibrate(cfg, grid: ProcessGrid) -> tuple[float, float | None]:
     """This process's fp32 matmul rate on the MLP's shape (FLOP/s), and the bus bandwidth
     of an all-reduce of one layer's activations over the tensor-parallel group (else the
     data-parallel group): the rates the planner's step time is evaluated at here."""
-    from megatron.core import parallel_state as ps
-
+    layout = grid.layout
     model, tokens = cfg.model, cfg.train.micro_batch_size * cfg.model.seq_length
     a = torch.randn(tokens, model.hidden_size)
     b = torch.randn(model.hidden_size, model.ffn_size // layout.tensor)
@@ -117,9 +117,9 @@ def calibrate(cfg, layout) -> tuple[float, float | None]:
     rate = 5 * 2 * a.shape[0] * a.shape[1] * b.shape[1] / (time.perf_counter() - start)
     group = None
     if layout.tensor > 1:
-        group = ps.get_tensor_model_parallel_group()
+        group = grid.tensor_group
     elif layout.data > 1:
-        group = ps.get_data_parallel_group()
+        group = grid.data_group
     if group is None:
         return rate, None
     ranks = dist.get_world_size(group)
@@ -137,21 +137,23 @@ def main() -> None:
     out_dir, config, *overrides = sys.argv[1:]
     cfg = load_config(config, overrides)
     device = select_device("cpu")
-    init_distributed(detect(), device, timeout_s=600)
-    layout = init_model_parallel(cfg.parallel.tensor, cfg.parallel.pipeline)
+    env = detect()
+    dims = ParallelDims(env.world_size, cfg.parallel.tensor, cfg.parallel.pipeline)
+    grid = ProcessGrid.join(env, device, dims, timeout_s=600)
+    layout = grid.layout
     vocab = cfg.model.vocab_size
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("build"):
             # the bf16 cases measure DeepSpeed's bf16 engines on the CPU
-            trainee = bench_engine(cfg, layout, vocab, device)
+            trainee = bench_trainee(cfg, grid, vocab, device)
         data = micro_batches(cfg, vocab)
         for _ in range(PROFILED_STEPS):
             with record_function("step"):
                 step(trainee, data, phases=True)
     allocated = allocation_profile(prof)
     del prof
-    rate, bandwidth = calibrate(cfg, layout)
+    rate, bandwidth = calibrate(cfg, grid)
     times = []
     for _ in range(int(os.environ.get("BENCH_TIMED_STEPS", "3"))):
         dist.barrier()

@@ -56,12 +56,13 @@ def no_world_for_child_processes():
 
 @pytest.fixture(scope="session")
 def single_process_group():
-    """torch.distributed (gloo, world size 1) and megatron's TP=PP=1 groups."""
+    """The process grid of one process: torch.distributed (gloo, world size 1) and
+    megatron's TP=PP=1 groups."""
+    from belief_lm.parallel.dims import ParallelDims
     from belief_lm.parallel.env import detect
-    from belief_lm.parallel.setup import init_distributed, init_model_parallel
+    from belief_lm.parallel.grid import ProcessGrid
 
-    init_distributed(detect({}), torch.device("cpu"))
-    return init_model_parallel(1, 1)
+    return ProcessGrid.join(detect({}), torch.device("cpu"), ParallelDims(1, 1, 1))
 
 
 @pytest.fixture(scope="session")

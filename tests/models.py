@@ -97,16 +97,16 @@ def assert_same(result: tuple, reference: tuple) -> None:
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def engine_for(cfg, layout, vocab_size: int, device=None, **options):
-    """build_engine as the trainer calls it, with pre-flight's precision and accumulation
-    for `cfg` at `layout` (options: load_universal, weights)."""
+def trainee_for(cfg, grid, vocab_size: int, device=None, **options):
+    """build_trainee as the trainer calls it, with pre-flight's precision and accumulation
+    for `cfg` on process grid `grid` (options: load_universal, weights)."""
     from belief_lm.preflight import grad_accumulation_steps, use_bf16
-    from belief_lm.train.engine import build_engine
+    from belief_lm.train.engine import build_trainee
 
     device = device or torch.device("cpu")
-    return build_engine(
-        cfg, layout, vocab_size, device, bf16=use_bf16(cfg.train.precision, device.type),
-        accumulation=grad_accumulation_steps(cfg, layout.data), **options,
+    return build_trainee(
+        cfg, grid, vocab_size, device, bf16=use_bf16(cfg.train.precision, device.type),
+        accumulation=grad_accumulation_steps(cfg, grid.layout.data), **options,
     )  # fmt: skip
 
 

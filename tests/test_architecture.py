@@ -114,6 +114,120 @@ def test_belief_lm_parts_import_one_way():
         pytest.fail(f"import cycle between belief_lm's parts: {' -> '.join(err.args[1])}")
 
 
+GRID_PACKAGE = ROOT / "belief_lm" / "parallel"
+"""Where the process grid lives: the one place that makes and looks up process groups."""
+GROUP_REACHES = {"parallel_state", "new_group", "Peers"}
+"""megatron's group registry (parallel_state), torch's way of making a group, and ours of
+naming one (belief_lm.parallel.peers.Peers)."""
+
+
+def group_reaches(path: Path) -> list[str]:
+    """Where `path` reaches process groups other than through a ProcessGrid it is handed:
+    megatron's parallel_state (imported or named), torch's new_group, our group names."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [getattr(node, "module", None) or "", *(a.name for a in node.names)]
+            found |= {(node.lineno, n) for name in names for n in GROUP_REACHES if n in name}
+        elif isinstance(node, ast.Attribute) and node.attr in GROUP_REACHES:
+            found.add((node.lineno, node.attr))
+        elif isinstance(node, ast.Name) and node.id in GROUP_REACHES:
+            found.add((node.lineno, node.id))
+    return [f"line {line}: {name}" for line, name in sorted(found)]
+
+
+def test_only_the_process_grid_reaches_process_groups():
+    """Process groups have one owner, belief_lm.parallel.grid.ProcessGrid, handed to whoever
+    needs a group: no code outside belief_lm/parallel/ (benchmarks included) looks groups
+    up in megatron's parallel_state, makes one, or names one."""
+    paths = [p for package in (*PACKAGES, "bench") for p in sources(package)]
+    found = {
+        str(path.relative_to(ROOT)): reaches
+        for path in paths
+        if not path.is_relative_to(GRID_PACKAGE) and (reaches := group_reaches(path))
+    }
+    assert not found, found
+
+
+def test_the_group_check_sees_each_form(tmp_path):
+    code = tmp_path / "x.py"
+    code.write_text(
+        "from megatron.core import parallel_state as ps\n"
+        "import megatron.core.parallel_state\n"
+        "import megatron.core as core\n"
+        "core.parallel_state.get_data_parallel_rank(), dist.new_group(backend='gloo')\n"
+        "from belief_lm.parallel.peers import Peers\n"
+        "from torch.distributed import new_group\n"
+    )
+    assert group_reaches(code) == [
+        "line 1: parallel_state",
+        "line 2: parallel_state",
+        "line 4: new_group",
+        "line 4: parallel_state",
+        "line 5: Peers",
+        "line 6: new_group",
+    ]
+
+
+LIBRARIES = ("torch", "deepspeed", "megatron")
+"""The libraries whose private parts only belief_lm/compat.py reaches, each reach checked
+against the installed versions by tests/test_compat.py."""
+
+
+def library_private_reaches(path: Path) -> list[str]:
+    """Where `path` reaches a private name of torch, DeepSpeed or megatron-core through a
+    name it imported: `from torch.x import _y`, `torch.cuda.memory._record_memory_history`,
+    `ps._TENSOR_MODEL_PARALLEL_GROUP` (attributes of objects those return are not seen)."""
+    tree = ast.parse(path.read_text())
+    bound = imported(tree, LIBRARIES, lambda module: module.split(".")[0] in LIBRARIES)
+    found = {(line, name) for name, line in bound.values()}  # the imports themselves,
+    found |= {  # and `import torch._dynamo` (which binds torch)
+        (node.lineno, alias.name) for node in ast.walk(tree) if isinstance(node, ast.Import)
+        for alias in node.names if alias.name.split(".")[0] in LIBRARIES
+    }  # fmt: skip
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr):
+            head, _, rest = (dotted(node) or "").partition(".")
+            if head in bound:
+                found.add((node.lineno, f"{bound[head][0]}.{rest}"))
+    private = {(line, name) for line, name in found if any(map(is_private, name.split(".")))}
+    return [f"line {line}: {name}" for line, name in sorted(private)]
+
+
+def test_only_compat_reaches_the_libraries_private_parts():
+    """torch's, DeepSpeed's and megatron-core's private names are reached in
+    belief_lm/compat.py alone, where tests/test_compat.py checks each against the installed
+    versions (benchmarks included)."""
+    compat = ROOT / "belief_lm" / "compat.py"
+    paths = [p for package in (*PACKAGES, "bench") for p in sources(package) if p != compat]
+    found = {
+        str(path.relative_to(ROOT)): reaches
+        for path in paths
+        if (reaches := library_private_reaches(path))
+    }
+    assert not found, found
+    assert library_private_reaches(compat), "compat.py reaches nothing private: the check is blind"
+
+
+def test_the_library_private_check_sees_each_form(tmp_path):
+    code = tmp_path / "x.py"
+    code.write_text(
+        "import torch\n"
+        "from megatron.core import parallel_state as ps\n"
+        "from torch.distributed.distributed_c10d import _world\n"
+        "import deepspeed.runtime._private as p, torch._dynamo\n"
+        "torch.cuda.memory._dump_snapshot('x'), ps._GROUP, torch.cuda.memory.__name__\n"
+        "engine._take_model_step\n"
+    )
+    assert library_private_reaches(code) == [
+        "line 3: torch.distributed.distributed_c10d._world",
+        "line 4: deepspeed.runtime._private",
+        "line 4: torch._dynamo",
+        "line 5: megatron.core.parallel_state._GROUP",
+        "line 5: torch.cuda.memory._dump_snapshot",
+    ]
+
+
 def is_private(name: object) -> bool:
     # __file__ and the like are public; a name that is no string (setattr(m, x)) is unknown
     return isinstance(name, str) and name.startswith("_") and not name.endswith("__")
@@ -133,19 +247,26 @@ def dotted(node: ast.expr) -> str | None:
     return None
 
 
-def ours_bound(tree: ast.Module) -> dict[str, str]:
-    """The names a file binds to something of our packages (at any depth, under any alias)
-    -> its full dotted name."""
+def imported(tree: ast.Module, tops: tuple[str, ...], accept) -> dict[str, tuple[str, int]]:
+    """The names a file binds by importing from packages `tops` (at any depth, under any
+    alias; `from m import x` where accept(m)) -> (its full dotted name, the import's line)."""
     bound = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 top = alias.name.split(".")[0]
-                if top in PACKAGES:  # `import a.b` binds a; `import a.b as c` binds c to a.b
-                    bound[alias.asname or top] = alias.name if alias.asname else top
-        elif isinstance(node, ast.ImportFrom) and not node.level and is_ours(node.module or ""):
-            bound.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+                if top in tops:  # `import a.b` binds a; `import a.b as c` binds c to a.b
+                    full = alias.name if alias.asname else top
+                    bound[alias.asname or top] = (full, node.lineno)
+        elif isinstance(node, ast.ImportFrom) and not node.level and accept(node.module or ""):
+            for a in node.names:
+                bound[a.asname or a.name] = (f"{node.module}.{a.name}", node.lineno)
     return bound
+
+
+def ours_bound(tree: ast.Module) -> dict[str, str]:
+    """The names a file binds to something of our packages -> its full dotted name."""
+    return {name: full for name, (full, _) in imported(tree, PACKAGES, is_ours).items()}
 
 
 ATTRIBUTE_CALLS = ("setattr", "getattr", "delattr")

@@ -1,5 +1,5 @@
-"""What belief_lm/compat.py assumes of megatron-core's and DeepSpeed's private parts, checked
-against the installed versions: an upgrade that breaks one fails here, by name."""
+"""What belief_lm/compat.py assumes of torch's, megatron-core's and DeepSpeed's private parts,
+checked against the installed versions: an upgrade that breaks one fails here, by name."""
 
 import inspect
 
@@ -11,7 +11,28 @@ from belief_lm import compat
 from belief_lm.config import load_config
 from tests.checkpoint.damage import poison
 from tests.jobs import MICRO, ROOT
-from tests.models import engine_for
+from tests.models import trainee_for
+
+
+def test_torch_scales_a_list_of_tensors_in_place():
+    tensors = [torch.ones(3), torch.full((2, 2), 3.0, dtype=torch.float64)]
+    kept = [t.data_ptr() for t in tensors]
+    compat.scale_in_place(tensors, 0.5)
+    assert [t.data_ptr() for t in tensors] == kept, "torch._foreach_mul_ no longer works in place"
+    assert tensors[0].tolist() == [0.5] * 3 and tensors[1].tolist() == [[1.5] * 2] * 2
+
+
+def test_torch_records_and_dumps_the_allocator_history_as_profiling_calls_it():
+    """compat.record_memory_history / dump_memory_history's calls, by their signatures (the
+    calls themselves need a GPU: tests/train/test_profile.py's GPU test)."""
+    record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert {"enabled", "max_entries"} <= record.keys(), (
+        "torch.cuda.memory._record_memory_history changed: compat.record_memory_history"
+    )
+    dump = inspect.signature(torch.cuda.memory._dump_snapshot).parameters
+    assert next(iter(dump)) == "filename", (
+        "torch.cuda.memory._dump_snapshot changed: compat.dump_memory_history"
+    )
 
 
 def test_megatron_row_linear_takes_its_group_in_its_private_gemm_call():
@@ -83,7 +104,7 @@ def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_
     """ZeRO-0 in fp32: we clip in the optimizer's pre-step hook and hand the norm over;
     the engine's get_global_grad_norm() must be that norm."""
     cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=0"])
-    trainee = engine_for(cfg, single_process_group, 256)
+    trainee = trainee_for(cfg, single_process_group, 256)
     seen = []
     original = compat.report_grad_norm
 
@@ -97,7 +118,7 @@ def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_
         trainee.train_step(iter([(rows[:, :-1], rows[:, 1:])] * 8))
     finally:
         compat.report_grad_norm = original
-        engine = trainee.deepspeed
+        engine = trainee.engine
     assert seen and engine.get_global_grad_norm() == pytest.approx(seen[-1]), (
         "DeepSpeed's engine no longer takes its grad norm from optimizer._global_grad_norm"
     )
@@ -108,7 +129,7 @@ def test_deepspeed_names_its_checkpoint_files_as_consolidate_reads_them(
     single_process_group, tmp_path
 ):
     cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=1"])
-    engine = engine_for(cfg, single_process_group, 256).deepspeed
+    engine = trainee_for(cfg, single_process_group, 256).engine
     engine.save_checkpoint(str(tmp_path), tag="step")
     step = tmp_path / "step"
     assert (step / compat.model_states_name(0)).is_file(), sorted(p.name for p in step.iterdir())
@@ -119,16 +140,16 @@ def test_deepspeed_names_its_checkpoint_files_as_consolidate_reads_them(
     engine.destroy()
 
 
-def saved_engine(layout, tmp_path, tag: str, *overrides: str):
+def saved_engine(grid, tmp_path, tag: str, *overrides: str):
     """A one-layer engine of configs/test/micro.yaml with `overrides`, saved after a step
     as the trainer saves (the universal converter's sharding info in its client state)."""
     from belief_lm.checkpoint.universal import universal_info
 
     cfg = load_config(ROOT / MICRO, ["model.num_layers=1", *overrides])
-    trainee = engine_for(cfg, layout, 256)
+    trainee = trainee_for(cfg, grid, 256)
     rows = torch.randint(0, 256, (cfg.train.micro_batch_size, 17))
     trainee.train_step(iter([(rows[:, :-1], rows[:, 1:])] * 8))  # the optimizer's state
-    engine = trainee.deepspeed
+    engine = trainee.engine
     info = {"universal_checkpoint_info": universal_info(cfg.model)}
     engine.save_checkpoint(str(tmp_path), tag=tag, client_state=info)
     engine.destroy()
@@ -201,7 +222,7 @@ def test_deepspeeds_own_loads_go_through_the_route(single_process_group, tmp_pat
         convert(zero1, tmp_path / "universal-2", cfg.model)
     param = sorted(p for p in (universal / "zero").iterdir() if p.is_dir())[0]
     poison(param / "exp_avg.pt", marker)
-    engine = engine_for(cfg, single_process_group, 256, load_universal=True).deepspeed
+    engine = trainee_for(cfg, single_process_group, 256, load_universal=True).engine
     with refused(), compat.deepspeed_loads_through(loading.load):
         engine.load_checkpoint(str(universal.parent), tag=universal.name)
     engine.destroy()

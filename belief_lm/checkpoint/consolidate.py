@@ -70,7 +70,7 @@ class Consolidated:
 
     def build_model(self, tensor_parallel: int = 1) -> BeliefLM:
         """BeliefLM at TP=1 with these weights (eval mode, fp32, CPU). Needs megatron's
-        process groups, as any BeliefLM (belief_lm.parallel.setup.single_process_groups)."""
+        process groups, as any BeliefLM (belief_lm.parallel.grid.ProcessGrid.single_process)."""
         if tensor_parallel != 1:
             raise ValueError("build_model builds a single-process (TP=1) model")
         eos_id = Tokenizer(self.tokenizer_path).eos_id  # where documents end, if masked

@@ -1,5 +1,5 @@
 """Writing checkpoints atomically and verifiably, now or in the background, and the RNG
-states they carry (the layout on disk is described in `files.py`).
+states they carry (the files on disk are described in `files.py`).
 
 A checkpoint is written under `.tmp-step_000100`: every rank writes its files through its
 `CheckpointWriter` (writer.py), which records each file's size and CRC-32. Once every rank
@@ -51,7 +51,6 @@ from belief_lm.checkpoint.manifest import (
     write_manifest,
 )
 from belief_lm.checkpoint.writer import CheckpointWriter, install
-from belief_lm.parallel.peers import name_group
 
 log = logging.getLogger("belief_lm.checkpoint")
 
@@ -103,25 +102,38 @@ class Pending:
     extra_files: dict[str, bytes]
     started: float
     """time.perf_counter() when the save began."""
+    background: bool
+    """Whether its files are written in the background."""
 
 
 class Checkpointer:
     """Saves the checkpoints of one DeepSpeed engine under `root`, keeping the newest
     `keep` intact ones. Collective: every rank makes one and calls its methods at the same
-    points. `background`: write in the background (see the module docstring). `trust`:
-    the engine's loads of files beyond what a checkpoint may hold go ahead with pickle
-    (loading.load)."""
+    points. `background`: write in the background (see the module docstring); `group`:
+    the host-side (gloo) group the ranks agree in (the process grid's checkpoint_group;
+    None in a job of one process). `trust`: the engine's loads of files beyond what a
+    checkpoint may hold go ahead with pickle (loading.load)."""
 
     def __init__(
-        self, engine, root: Path, keep: int, background: bool = False, trust: bool = False
+        self,
+        engine,
+        root: Path,
+        keep: int,
+        background: bool = False,
+        group: dist.ProcessGroup | None = None,
+        trust: bool = False,
     ):
+        if group is None and dist.get_world_size() > 1:
+            raise ValueError(
+                "a checkpointer of a job of several processes needs the grid's checkpoint group"
+            )
         self.engine = engine
         self.root = root
         self.keep = keep
         self.writer = CheckpointWriter(background, trust)
         install(engine, self.writer)
         self.pending: Pending | None = None
-        self._group = None
+        self.group = group
 
     def save(
         self,
@@ -144,13 +156,15 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
             self.root.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        self.writer.deferring = self.writer.background and not wait
-        self.engine.save_checkpoint(
-            str(self.root), tag=tmp.name, client_state=client_state, save_latest=False
-        )
-        self.writer.save(rank_state, str(tmp / "run_state" / f"rank{rank:05d}.pt"))
-        self.pending = Pending(tmp, final, info, extra_files if rank == 0 else {}, started)
-        if not self.writer.deferring:
+        background = self.writer.background and not wait
+        with self.writer.saving(background):
+            self.engine.save_checkpoint(
+                str(self.root), tag=tmp.name, client_state=client_state, save_latest=False
+            )
+            self.writer.save(rank_state, str(tmp / "run_state" / f"rank{rank:05d}.pt"))
+        extra = extra_files if rank == 0 else {}
+        self.pending = Pending(tmp, final, info, extra, started, background)
+        if not background:
             return self.wait()
         log.info(
             "checkpoint %s: copied to host memory in %.2f s (the pause training takes); "
@@ -188,7 +202,7 @@ class Checkpointer:
         failure = self.writer.failure() if done else None
         flags = torch.tensor([0 if done else 1, 0 if failure is None else 1])
         if dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._gloo())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         if flags[1]:
             pending, self.pending = self.pending, None
             self.writer.join()
@@ -207,7 +221,7 @@ class Checkpointer:
         every_rank = [records]
         if dist.get_world_size() > 1:
             every_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(every_rank, records, group=self._gloo())
+            dist.all_gather_object(every_rank, records, group=self.group)
         failure = None
         if dist.get_rank() == 0:
             merged = {name: r for part in every_rank for name, r in part.items()}
@@ -217,26 +231,18 @@ class Checkpointer:
                 failure = err
         outcome = [None if failure is None else str(failure)]
         if dist.get_world_size() > 1:
-            dist.broadcast_object_list(outcome, src=0, group=self._gloo())
+            dist.broadcast_object_list(outcome, src=0, group=self.group)
         if failure is not None:
             raise failure
         if outcome[0] is not None:
             raise CheckpointWriteError(f"publishing {pending.final} failed on rank 0: {outcome[0]}")
-        how = " (written in the background)" if self.writer.deferring else ""
+        how = " (written in the background)" if pending.background else ""
         # how long a stop signal's save takes: the grace period a cluster must give (README)
         seconds = time.perf_counter() - pending.started
         log.info("saved checkpoint %s in %.1f s%s", pending.final, seconds, how)
         if dist.get_rank() == 0:
             delete_old(self.root, self.keep)
         return pending.final
-
-    def _gloo(self):
-        """The ranks' host-side group for the flags and records (made at first use, which
-        is collective: every rank reaches it at the same call)."""
-        if self._group is None:
-            group = dist.new_group(backend="gloo")
-            self._group = name_group(group, "the checkpoint-agreement group")
-        return self._group
 
 
 def save(

@@ -33,7 +33,7 @@ from belief_lm.checkpoint.files import CheckpointError, universal_path
 from belief_lm.config import ModelConfig
 from belief_lm.description import COLUMN, GATED, ROW, ModelDescription, Weight, describe
 from belief_lm.model.pipeline import TIED_KEY, canonical_name, pipeline_name
-from belief_lm.parallel.collectives import rank_zero_first
+from belief_lm.parallel.grid import ProcessGrid
 
 log = logging.getLogger("belief_lm.checkpoint")
 
@@ -81,11 +81,13 @@ def _patterns(description: ModelDescription) -> list[tuple[Weight, str]]:
     return found
 
 
-def ensure_universal(checkpoint: Path, model: ModelConfig, trust: bool = False) -> Path:
+def ensure_universal(
+    checkpoint: Path, model: ModelConfig, grid: ProcessGrid, trust: bool = False
+) -> Path:
     """The universal form of `checkpoint` beside it (`files.universal_path`), converted by
-    rank 0 if it is not there yet while the other ranks wait, and its files checked against
-    what a checkpoint may hold on every rank (RefusedFile on every rank alike; `trust`: a
-    warning). Collective when distributed."""
+    rank 0 if it is not there yet while the other ranks wait (collective over `grid`), and
+    its files checked against what a checkpoint may hold on every rank (RefusedFile on
+    every rank alike; `trust`: a warning)."""
     output = universal_path(checkpoint)
 
     def convert_once() -> Path:
@@ -94,7 +96,7 @@ def ensure_universal(checkpoint: Path, model: ModelConfig, trust: bool = False) 
             convert(checkpoint, output, model, trust=trust)
         return output
 
-    rank_zero_first(convert_once)
+    grid.rank_zero_first(convert_once)
     loading.refuse(output, loading.refusals(output), trust)
     return output
 

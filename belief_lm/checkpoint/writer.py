@@ -6,10 +6,12 @@ DeepSpeed's engine writes every file of a checkpoint through its checkpoint engi
 - every file is recorded with its size and CRC-32, computed from the bytes on their way
   to the file (no second read), and synced to disk before it counts as written;
 - every file is read back weights-only (`load`: loading.py), never with plain pickle;
-- with `background=True`, `save` copies the state to host memory and returns; one thread
-  writes the copies in order while training goes on, and `join` waits for them. The copy
-  is the only pause training takes: device to (pinned) host memory on a GPU, a memory copy
-  on a CPU, into buffers kept from the previous save (`HostStaging`).
+- a writer made with `background=True` may write a checkpoint's files in the background:
+  each save says whether it does (`saving(background=...)`, around DeepSpeed's save). Then
+  `save` copies the state to host memory and returns; one thread writes the copies in
+  order while training goes on, and `join` waits for them. The copy is the only pause
+  training takes: device to (pinned) host memory on a GPU, a memory copy on a CPU, into
+  buffers kept from the previous save (`HostStaging`).
 DeepSpeed's own asynchronous engines do not fit here: the decoupled and fast writers need
 its compiled async-I/O ops (not built on a CPU install), Nebula and DataStates external
 services; torch's async `dcp.async_save` writes another format than the one every tool
@@ -24,6 +26,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,13 +52,12 @@ class CheckpointWriter(CheckpointEngine):
         super().__init__()
         self.name = "belief-lm"
         self.background = background
+        """Whether this writer can write in the background (a thread of its own)."""
         self.trust = trust
         """Whether `load` reads a file beyond what a checkpoint may hold with pickle
         (loading.load; checkpoint.trust)."""
-        """Whether this writer writes in the background (a thread of its own)."""
-        self.deferring = background
-        """Whether the next `save`s go to the background (a save about to be waited for is
-        written at once: no host copy needed)."""
+        self._in_background = False
+        """Whether the files of the save in progress go to the background (`saving`)."""
         self.records: dict[Path, FileRecord] = {}
         self.cpu_seconds = 0.0
         """CPU time the writes took, in all (what a background write takes from the host)."""
@@ -68,17 +70,30 @@ class CheckpointWriter(CheckpointEngine):
         self._started: set[str] = set()  # checkpoints whose first file was written (hook)
         self._staging = HostStaging()
 
+    @contextlib.contextmanager
+    def saving(self, background: bool) -> Iterator[None]:
+        """Write the files saved inside (DeepSpeed's save_checkpoint, then ours) in the
+        background if `background`, else at once (a save about to be waited for: no host
+        copy needed)."""
+        if background and self._pool is None:
+            raise ValueError("this checkpoint writer was made without background=True")
+        self._in_background = background
+        try:
+            yield
+        finally:
+            self._in_background = False
+
     # DeepSpeed's interface
     def create(self, info) -> None:
         pass
 
     def save(self, state_dict, path: str) -> None:
-        if not self.deferring:
+        if not self._in_background:
             self._write(Path(path), state_dict)
             return
         # The host copy is taken now (training may change the state as soon as this returns)
         snapshot = self._staging.copy(state_dict)
-        self._queued.append(self._pool.submit(self._write, Path(path), snapshot))
+        self._queued.append(self._pool.submit(self._write, Path(path), snapshot, True))
 
     def load(self, path: str, map_location=None):
         return loading.load(path, map_location, trust=self.trust)  # weights-only
@@ -89,7 +104,7 @@ class CheckpointWriter(CheckpointEngine):
     def preserves_storage_sharing(self) -> bool:
         # True: DeepSpeed clones a tensor viewing a larger buffer (pipeline layer files) so
         # the file holds the tensor, not the buffer. In the background, HostStaging does that.
-        return not self.deferring
+        return not self._in_background
 
     # belief-lm's
     def done(self) -> bool:
@@ -119,8 +134,9 @@ class CheckpointWriter(CheckpointEngine):
         self._staging.recycle()
         return records
 
-    def _write(self, path: Path, state) -> None:
-        self._wait_if_held(path)
+    def _write(self, path: Path, state, in_background: bool = False) -> None:
+        if in_background:
+            self._wait_if_held(path)
         started = time.thread_time()
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as file:
@@ -132,7 +148,7 @@ class CheckpointWriter(CheckpointEngine):
         self.cpu_seconds += time.thread_time() - started
 
     def _wait_if_held(self, path: Path) -> None:
-        if self._hold is None or not self.deferring:
+        if self._hold is None:
             return
         tmp = next((part for part in path.parts if part.startswith(".tmp-")), None)
         if tmp is None:

@@ -52,7 +52,7 @@ def read(path: str | Path) -> dict:
 
 def load_model(path: str | Path) -> BeliefLM:
     """BeliefLM (TP=1, eval, fp32) with the exported weights. Needs megatron's process
-    groups, as any BeliefLM (belief_lm.parallel.setup.single_process_groups)."""
+    groups, as any BeliefLM (belief_lm.parallel.grid.ProcessGrid.single_process)."""
     obj = read(path)
     config = Config.model_validate(obj["config"])
     eos_id = spm.SentencePieceProcessor(model_proto=obj["tokenizer_model"]).eos_id()

@@ -10,7 +10,7 @@ from belief_lm.checkpoint.consolidate import Consolidated, consolidate
 from belief_lm.errors import BadInput
 from belief_lm.inference.generate import Sampling, generate
 from belief_lm.model.gpt import BeliefLM
-from belief_lm.parallel.setup import single_process_groups
+from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.runtime import select_device
 from data_pipeline.tokenizer import Tokenizer
 
@@ -69,6 +69,6 @@ def load_model(checkpoint: str | Path, device: str = "auto", trust: bool = False
     """Consolidate `checkpoint` (a step directory) and build its model in eval mode (fp32)
     on `device` ('auto': the GPU if there is one). `trust`: see consolidate."""
     consolidated = consolidate(checkpoint, trust=trust)
-    single_process_groups()
+    ProcessGrid.single_process()
     model = consolidated.build_model().to(select_device(device))
     return LoadedModel(model, Tokenizer(consolidated.tokenizer_path), consolidated)

@@ -28,11 +28,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.parallel_state import (
-    get_tensor_model_parallel_group,
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-)
 from megatron.core.tensor_parallel import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -40,6 +35,8 @@ from megatron.core.tensor_parallel import (
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from megatron.core.tensor_parallel.utils import VocabUtility
 from torch import Tensor
+
+from belief_lm.parallel.collectives import TensorParallelPlace
 
 IGNORE_INDEX = -100
 """A label not trained on (padding at an epoch's end): torch's ignore_index convention,
@@ -71,13 +68,13 @@ class CrossEntropyAndLogSumExp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        steps, group = VocabParallelCrossEntropy, get_tensor_model_parallel_group()
+        steps, place = VocabParallelCrossEntropy, TensorParallelPlace.here()
+        group = place.group
         logits, logits_max = steps.calculate_logits_max(logits)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            logits.shape[-1], get_tensor_model_parallel_rank(),
-            get_tensor_model_parallel_world_size(),
-        )  # fmt: skip
+            logits.shape[-1], place.rank, place.size
+        )
         target_mask, masked_target, predicted, sum_exp, exp_logits = (
             steps.calculate_predicted_logits(logits, target, logits_max, start, end)
         )
@@ -113,7 +110,7 @@ def tensor_parallel_input(hidden: Tensor, sequence_parallel: bool = False) -> Te
     this rank's [seq / TP, batch, hidden]: all-gathered, its gradient reduce-scattered."""
     if sequence_parallel:
         return gather_from_sequence_parallel_region(
-            hidden, tensor_parallel_output_grad=True, group=get_tensor_model_parallel_group()
+            hidden, tensor_parallel_output_grad=True, group=TensorParallelPlace.here().group
         )
     return copy_to_tensor_model_parallel_region(hidden)
 

@@ -16,7 +16,7 @@ module's forward, which only ZeRO-3 would mind, and pipelines run ZeRO 0-1.
 Under model.attention_mask=document a stage hands the next (hidden states, document ends):
 DeepSpeed's stage boundary takes a tuple whose last element is a boolean mask (sent as
 half precision, received back as bool, never given a gradient) once the engine is told
-(`set_has_attention_mask`, build_engine); every stage derives the documents from the
+(`set_has_attention_mask`, build_trainee); every stage derives the documents from the
 marks. Shapes stay static: the marks are [micro-batch, seq] like the tokens.
 
 With train.z_loss the loss_fn's gradient includes the z-loss, and `BeliefPipeline` reports

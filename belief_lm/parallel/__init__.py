@@ -1,1 +1,2 @@
-"""Parallel wiring: process groups, tensor-parallel collectives, engines' topology."""
+"""Parallel wiring: the process grid (every process group), where a process is, the
+model's tensor-parallel sums, gather/shard, heartbeats and lost peers."""

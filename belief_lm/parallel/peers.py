@@ -15,7 +15,9 @@ what happened says it, in one line.
   it there as JSON, for launchers and people), the others stay quiet.
 
 A job's ranks agree on a run token when the watch starts, so a restarted job reports its
-own faults, not an earlier run's.
+own faults, not an earlier run's. What a process knows of its peers (the roles of the
+groups, the watch over the heartbeats) is a `Peers`, owned by the process grid
+(belief_lm.parallel.grid).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ SHOWN = 8
 
 @dataclass
 class Watch:
-    """This process's watch over its peers (started by `start`)."""
+    """This process's watch over its peers' heartbeats (started by `Peers.start_watch`)."""
 
     run_dir: Path
     timeout_s: float
@@ -75,48 +77,6 @@ class Watch:
     @property
     def silent_after_s(self) -> float:
         return STALE_INTERVALS * self.heartbeat.interval
-
-
-_watch: Watch | None = None
-
-
-def start(run_dir: str | Path, timeout_s: float, rank_zero_wait_s: float) -> Watch | None:
-    """Start this rank's heartbeat in `run_dir` and agree on the run's token (collective:
-    every rank calls it, once the process group is up). A job of one process has no peers
-    to watch: None."""
-    global _watch
-    stop()
-    if dist.get_world_size() == 1:
-        return None
-    # (NCCL broadcasts only CUDA tensors)
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    )
-    token = torch.tensor([int(time.time() * 1000)], dtype=torch.int64, device=device)
-    dist.broadcast(token, src=0)  # before any heartbeat: no report can race it
-    beat = heartbeat.Heartbeat(run_dir, dist.get_rank(), heartbeat.interval_for(timeout_s))
-    _watch = Watch(Path(run_dir).expanduser(), timeout_s, rank_zero_wait_s, beat.start(),
-                   int(token))  # fmt: skip
-    return _watch
-
-
-def stop() -> None:
-    """Stop the heartbeat (the run is over)."""
-    global _watch
-    if _watch is not None:
-        _watch.heartbeat.stop()
-        _watch = None
-
-
-def current() -> Watch | None:
-    """The running watch (None outside a training run: evaluate, tests)."""
-    return _watch
-
-
-def beat(step: int) -> None:
-    """Tell the heartbeat the optimizer steps done so far."""
-    if _watch is not None:
-        _watch.heartbeat.step = step
 
 
 def is_lost_peer(err: BaseException) -> bool:
@@ -136,49 +96,158 @@ def is_lost_peer(err: BaseException) -> bool:
     return isinstance(err, dist.DistError) or bool(BACKEND.search(message))
 
 
-def diagnose(err: BaseException) -> PeerLost | None:
-    """PeerLost for an exception from a collective that failed because of a peer, with
-    the line to print if this rank is the one to report it; None for any other exception.
-    (Reporting: call it once per failure.)"""
-    if isinstance(err, PeerLost):
-        return err
-    if not is_lost_peer(err):
-        return None
-    found = compat.failed_collective(err.__traceback__)
-    name, group, callers = found or ("a collective", None, [])
-    what = _describe(name, group, callers)
-    if VANISHED.search(str(err)):
-        return PeerLost(f"{what} failed: a peer's connection closed", line=None)
-    return timed_out_in(what, group)
+class Peers:
+    """What this process knows of its peers: the roles of the process groups (for the line
+    that names a timed-out collective's group) and, in a training run, the watch over their
+    heartbeats. Owned by the process grid (belief_lm.parallel.grid), which names its groups
+    here as it makes them and starts the watch."""
 
+    def __init__(self) -> None:
+        self.watch: Watch | None = None
+        """The heartbeat watch (None outside a training run, and in a job of one process)."""
+        self._roles: dict[int, tuple[dist.ProcessGroup, str]] = {}
+        """Group roles by the group's id (each group kept alive with its role)."""
 
-def timed_out_in(what: str, group: dist.ProcessGroup | None, waited_s: float | None = None):
-    """PeerLost for `what` (a collective on `group`) having timed out, naming the group's
-    silent ranks; its line is None unless this rank is the first to report."""
-    rank = dist.get_rank()
-    ranks = [r for r in dist.get_process_group_ranks(group or dist.group.WORLD) if r != rank]
-    if waited_s is None:
-        waited_s = compat.group_timeout(group).total_seconds()
-    message = f"rank {rank}: {what} timed out after {waited_s:.0f} s"
-    watch = current()
-    if watch is None:  # no heartbeats to judge by
-        message += f"; waiting for {ranks_phrase(ranks)}"
-        return PeerLost(message, line=f"belief-lm: {message}")
-    beats = heartbeat.read(watch.run_dir, ranks)
-    silent = heartbeat.silent(beats, watch.silent_after_s)
-    now = time.time()
-    if silent:
-        shown = [beats[r].describe(now) if beats[r] else f"rank {r} (no heartbeat)" for r in silent]
-        more = f" and {len(silent) - SHOWN} more" if len(silent) > SHOWN else ""
-        message += f"; not arrived: {', '.join(shown[:SHOWN])}{more}"
-    else:
-        message += (
-            f"; no rank of it is silent (heartbeats under {watch.silent_after_s:.0f} s old): "
-            f"{ranks_phrase(ranks)} wait elsewhere"
-        )
-    line = f"belief-lm: {message}"
-    report = {"rank": rank, "line": line, "silent": silent, "time": now}
-    return PeerLost(message, line if first_to_report(watch, report) else None, silent)
+    def name(self, group: dist.ProcessGroup, role: str) -> dist.ProcessGroup:
+        """Give `group` a role for the line that reports a timeout in it ('the stop-request
+        group'); returns the group."""
+        self._roles[id(group)] = (group, role)
+        return group
+
+    def role(self, group: dist.ProcessGroup | None) -> str:
+        """The group's role: the world, a named one, else 'a group'."""
+        if group is None or group is dist.group.WORLD:
+            return "the world"
+        named = self._roles.get(id(group))
+        return named[1] if named is not None and named[0] is group else "a group"
+
+    def start_watch(self, run_dir: str | Path, timeout_s: float, rank_zero_wait_s: float) -> None:
+        """Start this rank's heartbeat in `run_dir` and agree on the run's token (collective:
+        every rank calls it, once the process group is up); `timeout_s` is how long a
+        collective waits (parallel.timeout_s), `rank_zero_wait_s` how long the others wait
+        for rank 0's one-off work. A job of one process has no peers to watch."""
+        self.stop()
+        if dist.get_world_size() == 1:
+            return
+        # (NCCL broadcasts only CUDA tensors)
+        device = None
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        token = torch.tensor([int(time.time() * 1000)], dtype=torch.int64, device=device)
+        dist.broadcast(token, src=0)  # before any heartbeat: no report can race it
+        beat = heartbeat.Heartbeat(run_dir, dist.get_rank(), heartbeat.interval_for(timeout_s))
+        self.watch = Watch(Path(run_dir).expanduser(), timeout_s, rank_zero_wait_s, beat.start(),
+                           int(token))  # fmt: skip
+
+    def beat(self, step: int) -> None:
+        """Tell the heartbeat the optimizer steps done so far."""
+        if self.watch is not None:
+            self.watch.heartbeat.step = step
+
+    def stop(self) -> None:
+        """Stop the heartbeat (the run is over)."""
+        if self.watch is not None:
+            self.watch.heartbeat.stop()
+            self.watch = None
+
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        """Raise PeerLost for a collective that fails inside because of a peer (any other
+        exception passes as it is); the heartbeat stops if anything fails."""
+        try:
+            yield
+        except BaseException as err:
+            try:  # diagnosed while the watch is up: its heartbeats name the silent ranks
+                lost = self.diagnose(err) if isinstance(err, RuntimeError) else None
+            finally:
+                self.stop()
+            if lost is None or lost is err:
+                raise
+            raise lost from err
+
+    def diagnose(self, err: BaseException) -> PeerLost | None:
+        """PeerLost for an exception from a collective that failed because of a peer, with
+        the line to print if this rank is the one to report it; None for any other
+        exception. (Reporting: call it once per failure.)"""
+        if isinstance(err, PeerLost):
+            return err
+        if not is_lost_peer(err):
+            return None
+        found = compat.failed_collective(err.__traceback__)
+        name, group, callers = found or ("a collective", None, [])
+        what = self._describe(name, group, callers)
+        if VANISHED.search(str(err)):
+            return PeerLost(f"{what} failed: a peer's connection closed", line=None)
+        return self.timed_out_in(what, group)
+
+    def timed_out_in(
+        self, what: str, group: dist.ProcessGroup | None, waited_s: float | None = None
+    ) -> PeerLost:
+        """PeerLost for `what` (a collective on `group`) having timed out, naming the
+        group's silent ranks; its line is None unless this rank is the first to report."""
+        rank = dist.get_rank()
+        ranks = [r for r in dist.get_process_group_ranks(group or dist.group.WORLD) if r != rank]
+        if waited_s is None:
+            waited_s = compat.group_timeout(group).total_seconds()
+        message = f"rank {rank}: {what} timed out after {waited_s:.0f} s"
+        watch = self.watch
+        if watch is None:  # no heartbeats to judge by
+            message += f"; waiting for {ranks_phrase(ranks)}"
+            return PeerLost(message, line=f"belief-lm: {message}")
+        beats = heartbeat.read(watch.run_dir, ranks)
+        silent = heartbeat.silent(beats, watch.silent_after_s)
+        now = time.time()
+        if silent:
+            shown = [
+                beats[r].describe(now) if beats[r] else f"rank {r} (no heartbeat)" for r in silent
+            ]
+            more = f" and {len(silent) - SHOWN} more" if len(silent) > SHOWN else ""
+            message += f"; not arrived: {', '.join(shown[:SHOWN])}{more}"
+        else:
+            message += (
+                f"; no rank of it is silent (heartbeats under {watch.silent_after_s:.0f} s "
+                f"old): {ranks_phrase(ranks)} wait elsewhere"
+            )
+        line = f"belief-lm: {message}"
+        report = {"rank": rank, "line": line, "silent": silent, "time": now}
+        return PeerLost(message, line if first_to_report(watch, report) else None, silent)
+
+    def wait_for_rank_zero(self, work: dist.Work, what: str) -> None:
+        """Wait for `work` (an asynchronous collective that completes once rank 0 is done)
+        for up to parallel.rank_zero_wait_s while rank 0's heartbeat goes on; a rank 0
+        silent for parallel.timeout_s is lost. Without a watch, a plain wait (the group's
+        timeout)."""
+        watch = self.watch
+        if watch is None or dist.get_rank() == 0:
+            work.wait()
+            return
+        started = time.monotonic()
+        poll = min(watch.heartbeat.interval, 1.0)
+        while not work.is_completed():
+            waited = time.monotonic() - started
+            beats = heartbeat.read(watch.run_dir, [0])
+            # no heartbeat yet: rank 0 may not have written its first (it starts beating as
+            # the others do, not before them); silent only once a timeout has passed
+            silent = [r for r in heartbeat.silent(beats, watch.timeout_s)
+                      if beats[r] is not None or waited > watch.timeout_s]  # fmt: skip
+            if silent:
+                raise self.timed_out_in(what, None, waited)
+            if waited > watch.rank_zero_wait_s:
+                raise _too_long(what, waited, watch)
+            time.sleep(poll)
+        work.wait()  # raises what the collective met
+
+    def _describe(self, name: str, group: dist.ProcessGroup | None, callers: list) -> str:
+        """'all_reduce over the tensor-parallel group (ranks 0-1) in .../mappings.py:38
+        _reduce': the collective and the code that called it (past communication wrappers)."""
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        callers = [f for f in callers if not WRAPPERS.search(f.f_code.co_filename)] or callers
+        where = ""
+        if callers:
+            caller = callers[-1]
+            path = "/".join(Path(caller.f_code.co_filename).parts[-3:])
+            where = f" in {path}:{caller.f_lineno} {caller.f_code.co_name}"
+        return f"{name} over {self.role(group)} ({ranks_phrase(ranks)}){where}"
 
 
 def first_to_report(watch: Watch, report: dict) -> bool:
@@ -196,29 +265,6 @@ def first_to_report(watch: Watch, report: dict) -> bool:
     return True
 
 
-def wait_for_rank_zero(work: dist.Work, what: str) -> None:
-    """Wait for `work` (an asynchronous collective that completes once rank 0 is done) for
-    up to parallel.rank_zero_wait_s while rank 0's heartbeat goes on; a rank 0 silent for
-    parallel.timeout_s is lost. Without a watch, a plain wait (the group's timeout)."""
-    watch = current()
-    if watch is None or dist.get_rank() == 0:
-        work.wait()
-        return
-    started = time.monotonic()
-    poll = min(watch.heartbeat.interval, 1.0)
-    while not work.is_completed():
-        waited = time.monotonic() - started
-        beats = heartbeat.read(watch.run_dir, [0])
-        # no heartbeat yet: rank 0 may not have written its first (it starts beating as
-        # the others do, not before them); silent only once a timeout has passed
-        silent = [r for r in heartbeat.silent(beats, watch.timeout_s)
-                  if beats[r] is not None or waited > watch.timeout_s]  # fmt: skip
-        if silent or waited > watch.rank_zero_wait_s:
-            raise timed_out_in(what, None, waited) if silent else _too_long(what, waited, watch)
-        time.sleep(poll)
-    work.wait()  # raises what the collective met
-
-
 def _too_long(what: str, waited: float, watch: Watch) -> PeerLost:
     message = (
         f"rank {dist.get_rank()}: {what}: rank 0 is alive but did not finish within "
@@ -227,54 +273,6 @@ def _too_long(what: str, waited: float, watch: Watch) -> PeerLost:
     report = {"rank": dist.get_rank(), "line": f"belief-lm: {message}", "silent": []}
     first = first_to_report(watch, report)
     return PeerLost(message, f"belief-lm: {message}" if first else None)
-
-
-def _describe(name: str, group: dist.ProcessGroup | None, callers: list) -> str:
-    """'all_reduce over the tensor-parallel group (ranks 0-1) in .../mappings.py:38 _reduce':
-    the collective and the code that called it (past communication wrappers)."""
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    callers = [f for f in callers if not WRAPPERS.search(f.f_code.co_filename)] or callers
-    where = ""
-    if callers:
-        caller = callers[-1]
-        path = "/".join(Path(caller.f_code.co_filename).parts[-3:])
-        where = f" in {path}:{caller.f_lineno} {caller.f_code.co_name}"
-    return f"{name} over {group_role(group)} ({ranks_phrase(ranks)}){where}"
-
-
-_names: dict[int, tuple[dist.ProcessGroup, str]] = {}
-"""Our own groups' roles, by the group's id (the group kept alive with its name)."""
-
-
-def name_group(group: dist.ProcessGroup, role: str) -> dist.ProcessGroup:
-    """Give one of our own groups a role for the line that reports a timeout in it
-    ('the stop-request group')."""
-    _names[id(group)] = (group, role)
-    return group
-
-
-def group_role(group: dist.ProcessGroup | None) -> str:
-    """The group's role: the world, one of ours (name_group) or one of megatron's groups;
-    else 'a group'."""
-    if group is None or group is dist.group.WORLD:
-        return "the world"
-    if id(group) in _names and _names[id(group)][0] is group:
-        return _names[id(group)][1]
-    from megatron.core import parallel_state as ps
-
-    roles = {
-        "tensor-parallel": ps.get_tensor_model_parallel_group,
-        "pipeline-parallel": ps.get_pipeline_model_parallel_group,
-        "model-parallel": ps.get_model_parallel_group,
-        "data-parallel": ps.get_data_parallel_group,
-    }
-    for role, get in roles.items():
-        try:
-            if get() is group:
-                return f"the {role} group"
-        except (AssertionError, RuntimeError):  # megatron's groups not made
-            return "a group"
-    return "a group"
 
 
 def ranks_phrase(ranks: list[int]) -> str:
@@ -291,23 +289,6 @@ def ranks_phrase(ranks: list[int]) -> str:
     spans.append((first, previous))
     text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
-
-
-@contextlib.contextmanager
-def watching() -> Iterator[None]:
-    """Raise PeerLost for a collective that fails inside because of a peer (any other
-    exception passes as it is); stop the heartbeat on the way out."""
-    try:
-        yield
-    except PeerLost:
-        raise
-    except RuntimeError as err:
-        lost = diagnose(err)
-        if lost is None:
-            raise
-        raise lost from err
-    finally:
-        stop()
 
 
 def end_child_processes() -> None:

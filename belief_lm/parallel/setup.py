@@ -1,8 +1,6 @@
-"""Process groups: torch.distributed, then megatron's tensor/pipeline/data groups.
-
-megatron's parallel_state orders ranks tp-cp-ep-dp-pp (TP innermost, PP outermost), the
-same layout as DeepSpeed's PipeModelDataParallelTopology; the 3D engine asserts it.
-"""
+"""Joining the job: torch.distributed's default process group (through DeepSpeed's
+start-up, which its engines expect). The groups made on top of it are the process grid's
+(belief_lm.parallel.grid)."""
 
 from __future__ import annotations
 
@@ -11,10 +9,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from belief_lm import compat
-from belief_lm.parallel.dims import Layout, ParallelDims
 from belief_lm.parallel.env import ProcessEnv
 from belief_lm.runtime import backend_for
 
@@ -44,41 +40,3 @@ def init_distributed(env: ProcessEnv, device: torch.device, timeout_s: float = 6
         auto_mpi_discovery=False,
         timeout=timeout,
     )
-
-
-def init_model_parallel(tensor: int, pipeline: int) -> Layout:
-    """Create (or reuse, if the sizes match) megatron's process groups."""
-    data = ParallelDims(dist.get_world_size(), tensor, pipeline).data
-    ps = parallel_state
-    if ps.model_parallel_is_initialized():
-        same = (
-            ps.get_tensor_model_parallel_world_size() == tensor
-            and ps.get_pipeline_model_parallel_world_size() == pipeline
-        )
-        if not same:
-            ps.destroy_model_parallel()
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tensor,
-            pipeline_model_parallel_size=pipeline,
-            # the job's collective timeout (megatron takes minutes; a fraction is fine)
-            distributed_timeout_minutes=compat.default_group_timeout().total_seconds() / 60,
-        )
-    return Layout(
-        tensor=tensor,
-        pipeline=pipeline,
-        data=data,
-        tensor_rank=ps.get_tensor_model_parallel_rank(),
-        pipeline_rank=ps.get_pipeline_model_parallel_rank(),
-        data_rank=ps.get_data_parallel_rank(),
-    )
-
-
-def single_process_groups() -> Layout:
-    """The process groups of a one-process job (generation, export, tests): megatron's
-    layers need them even here. A gloo group of world size 1 unless this process is in
-    one already; its in-memory store needs no port, and it skips DeepSpeed's start-up,
-    which builds its CPU communication op every time (seconds to a minute)."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return init_model_parallel(1, 1)

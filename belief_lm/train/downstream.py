@@ -6,7 +6,7 @@ Right after such a save, rank 0 evaluates the checkpoint in a process of its own
 consolidated fp32 weights at TP=1, so every layout works alike (TP, PP, ZeRO-3), and the
 training process's process groups and engine are left as they are. That process needs
 room for one more fp32 copy of the model on rank 0's device. The other ranks wait on a
-gloo group for up to parallel.rank_zero_wait_s (collectives.rank_zero_first), not in a
+gloo group for up to parallel.rank_zero_wait_s (ProcessGrid.rank_zero_first), not in a
 collective bounded by parallel.timeout_s, while rank 0's heartbeat shows it alive. The
 scores go to metrics.jsonl (keys `task/metric`, beside the validation loss) and
 tensorboard (`downstream/task/metric`); lm-eval's whole results (standard errors
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from belief_lm.config import TrainConfig
-from belief_lm.parallel.collectives import on_rank_zero
+from belief_lm.parallel.grid import ProcessGrid
 
 log = logging.getLogger("belief_lm.train")
 
@@ -45,22 +45,23 @@ def due(train: TrainConfig, step: int) -> bool:
     return bool(train.eval_tasks) and (step == train.max_steps or bool(every and step % every == 0))
 
 
-def check_tasks(tasks: list[str]) -> None:
-    """Resolve `tasks` with lm-eval on rank 0 (collective): ValueError on every rank for an
-    unknown task or an unreadable task file, before the run starts."""
+def check_tasks(tasks: list[str], grid: ProcessGrid) -> None:
+    """Resolve `tasks` with lm-eval on rank 0 (collective over `grid`): ValueError on every
+    rank for an unknown task or an unreadable task file, before the run starts."""
 
     def resolve() -> None:
         from belief_lm.inference.lm_eval_adapter import resolve_tasks
 
         resolve_tasks(tasks)
 
-    on_rank_zero(resolve)
+    grid.on_rank_zero(resolve)
 
 
 def evaluate(
-    train: TrainConfig, checkpoint: Path, device: str, run_dir: Path
+    train: TrainConfig, checkpoint: Path, device: str, run_dir: Path, grid: ProcessGrid
 ) -> dict[str, float] | None:
-    """Run train.eval_tasks on `checkpoint` (collective); its scores on rank 0, else None."""
+    """Run train.eval_tasks on `checkpoint` (collective over `grid`); its scores on rank 0,
+    else None."""
 
     def run() -> dict[str, float]:
         output = run_dir / "downstream" / f"{checkpoint.name}.json"
@@ -77,7 +78,7 @@ def evaluate(
         return scalars(json.loads(output.read_text())["results"])
 
     log.info("running train.eval_tasks on %s", checkpoint)
-    return on_rank_zero(run)
+    return grid.on_rank_zero(run)
 
 
 def scalars(results: dict[str, dict]) -> dict[str, float]:

@@ -1,10 +1,11 @@
-"""The DeepSpeed engine around our model: ZeRO, pipeline, accumulation, clipping, bf16.
+"""The model in DeepSpeed's engine (`Trainee`): ZeRO, pipeline, accumulation, clipping, bf16.
 
 Without pipeline parallelism the plain engine wraps `BeliefLM` (ZeRO 0-3, tensor
-parallelism described to DeepSpeed by the mpu adapter); with it, the pipeline engine runs
-1F1B over the stages of `belief_lm.model.pipeline` (ZeRO-1 at most: DeepSpeed's limit).
-We hand DeepSpeed a ready optimizer and scheduler; the engine owns the accumulation
-boundary, clipping, the optimizer/scheduler steps, and checkpoints.
+parallelism described to DeepSpeed by the grid's mpu adapter); with it, the pipeline engine
+runs 1F1B over the stages of `belief_lm.model.pipeline` (ZeRO-1 at most: DeepSpeed's
+limit), laid out by the grid's topology. We hand DeepSpeed a ready optimizer and scheduler;
+the engine owns the accumulation boundary, clipping, the optimizer/scheduler steps, and
+checkpoints. A step returns what it did (`StepOutcome`).
 
 The loss is weighted by tokens (Megatron's calculate_per_token_loss): a step's loss, and
 its gradient, is the sum of its label tokens' cross entropies over every micro-batch and
@@ -23,17 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from belief_lm import compat
 from belief_lm.config import Config
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.model.loss import IGNORE_INDEX
-from belief_lm.parallel.dims import Layout
 from belief_lm.parallel.gather import count_model_parameters, counted_once
-from belief_lm.parallel.mpu import MegatronMPU
-from belief_lm.parallel.topology import assert_same_layout, deepspeed_topology
-from belief_lm.train.optim import StepGuard, build_optimizer
+from belief_lm.parallel.grid import ProcessGrid
+from belief_lm.train.optim import GuardedAdamW, Update, build_optimizer
+from belief_lm.train.spikes import LossCheck
 
 
 def deepspeed_config(cfg: Config, accumulation: int, bf16: bool) -> dict:
@@ -62,84 +61,94 @@ def deepspeed_config(cfg: Config, accumulation: int, bf16: bool) -> dict:
     }
 
 
-@dataclass
-class TrainEngine:
-    """The model in its DeepSpeed engine, and the one optimizer step training repeats."""
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one optimizer step of the engine did."""
 
-    deepspeed: object
+    loss: torch.Tensor
+    """This rank's mean loss over its micro-batches (a device tensor: reading it syncs)."""
+    update: Update | None
+    """What the optimizer decided (None: it was not called: DeepSpeed's own overflow check
+    skipped the step)."""
+    check: LossCheck | None
+    """What the step's `screen` found, if it had one."""
+    reported: dict[str, torch.Tensor] = field(default_factory=dict)
+    """What the model computed beside the loss (z_loss with train.z_loss): this rank's mean
+    over its micro-batches (a pipeline's: already averaged over data parallelism, as its
+    loss), to `Trainee.global_mean` like the loss."""
+
+    @property
+    def nonfinite(self) -> bool:
+        """Whether the update was skipped for a non-finite gradient (decided on every rank
+        together); a step DeepSpeed's overflow check skipped counts too."""
+        return self.update is None or self.update.nonfinite
+
+    @property
+    def vetoed(self) -> bool:
+        """Whether the update was skipped because the `screen` asked (on some rank)."""
+        return self.update is not None and self.update.vetoed and not self.update.nonfinite
+
+
+@dataclass
+class Trainee:
+    """The model in DeepSpeed's engine, and the one optimizer step training repeats."""
+
+    engine: object
     """DeepSpeed's engine (or pipeline engine) around the model."""
-    guard: StepGuard
-    """Our optimizer's (inside the engine): whether the last update was skipped, and the
-    veto on the coming one."""
+    optimizer: GuardedAdamW
+    """Ours, inside the engine: it skips non-finite and vetoed updates."""
+    grid: ProcessGrid
     parameters: int
     """Whole-model parameter count (all ranks)."""
     pipelined: bool
-    reported: dict[str, torch.Tensor] = field(default_factory=dict)
-    """What the model computed beside the loss in the last train_step (z_loss with
-    train.z_loss): this rank's mean over its micro-batches (a pipeline's: already averaged
-    over data parallelism, as its loss), to `global_mean` like the loss."""
     before_update: Callable[[], object] | None = None
     """Called once the step's gradients are complete, before `screen` and the update (per-
     layer gradient norms: belief_lm/train/layer_signals.py); not with a pipeline."""
 
     def train_step(
-        self, micro_batches: Iterator, screen: Callable[[torch.Tensor], bool] | None = None
-    ) -> torch.Tensor:
-        """One optimizer step over the accumulation micro-batches; returns this rank's share
-        of the step's token-weighted loss, whose `global_mean` is the step's loss (a device
-        tensor: reading it is the caller's sync; with one data-parallel rank, the loss).
+        self, micro_batches: Iterator, screen: Callable[[torch.Tensor], LossCheck] | None = None
+    ) -> StepOutcome:
+        """One optimizer step over the accumulation micro-batches; its loss is this rank's
+        share of the step's token-weighted loss, whose `global_mean` is the step's loss.
 
-        `screen`, when given, sees that loss once the step's gradients are complete and
-        before the update, and returns whether to skip the update (the optimizer makes
-        every rank skip if any says so). With a pipeline the engine updates inside
+        `screen`, when given, sees the step's mean loss once its gradients are complete and
+        before the update, and its LossCheck says whether to skip the update (the optimizer
+        makes every rank skip if any says so). With a pipeline the engine updates inside
         train_batch, so `screen` sees the loss only afterwards and may not ask to skip."""
-        engine, guard = self.deepspeed, self.guard
-        guard.skipped = guard.nonfinite = None
+        engine, optimizer = self.engine, self.optimizer
+        optimizer.take_update()  # (nothing left from a step that failed)
         accumulation = engine.gradient_accumulation_steps()
         batches = [next(micro_batches) for _ in range(accumulation)]
         weights = label_weights(engine, [labels for _, labels in batches])
         if self.pipelined:  # 1F1B over all micro-batches, optimizer step included
             engine.module.label_weights = list(weights)  # the loss_fn's, in the engine's order
             loss = engine.train_batch(data_iter=iter(batches))
-            self.reported = dict(engine.get_additional_losses() or {})
-            if screen is not None and screen(loss):
+            reported = dict(engine.get_additional_losses() or {})
+            check = None if screen is None else screen(loss)
+            if check is not None and check.skip:
                 raise RuntimeError("a pipelined step was asked to skip its update after it")
-            return loss
-        total, self.reported = None, {}
+            return StepOutcome(loss, optimizer.take_update(), check, reported)
+        total, check, reported = None, None, {}
         for micro, ((tokens, labels), weight) in enumerate(zip(batches, weights, strict=True)):
             loss = engine(tokens, labels) * weight
             engine.backward(loss)  # DeepSpeed divides by the accumulation steps
             total = loss.detach() if total is None else total + loss.detach()
             for name, value in (engine.module.get_additional_losses() or {}).items():
-                self.reported[name] = self.reported.get(name, 0) + value * weight / accumulation
+                reported[name] = reported.get(name, 0) + value * weight / accumulation
             if self.before_update is not None and micro == accumulation - 1:
                 self.before_update()
             if screen is not None and micro == accumulation - 1:
-                guard.veto = screen(total / accumulation)  # before the update
-            engine.step()  # optimizer + scheduler step only at the accumulation boundary
-        guard.veto = False
-        return total / accumulation
-
-    @property
-    def update_skipped(self) -> bool:
-        """Whether the last step's update was skipped for a non-finite gradient (decided
-        on every rank together); DeepSpeed's own overflow check may skip the optimizer
-        entirely, which counts as skipped too."""
-        return self.guard.nonfinite is not False
-
-    @property
-    def update_vetoed(self) -> bool:
-        """Whether the last step's update was skipped because a rank's `screen` asked."""
-        return bool(self.guard.skipped) and self.guard.nonfinite is False
+                check = screen(total / accumulation)  # before the update
+            with optimizer.vetoing(check is not None and check.skip):
+                engine.step()  # optimizer + scheduler step only at the accumulation boundary
+        return StepOutcome(total / accumulation, optimizer.take_update(), check, reported)
 
     def global_mean(self, loss: torch.Tensor) -> float:
         """This step's loss averaged over the global batch, on every rank (collective over
         data parallelism; the pipeline engine already averages)."""
-        if not self.pipelined and ps.get_data_parallel_world_size() > 1:
-            loss = loss.clone()
-            dist.all_reduce(loss, group=ps.get_data_parallel_group())
-            loss /= ps.get_data_parallel_world_size()
-        return loss.item()  # host-device sync
+        if self.pipelined:
+            return loss.item()  # host-device sync
+        return self.grid.data_parallel_mean(loss)
 
 
 def label_weights(engine, labels: list[torch.Tensor]) -> torch.Tensor:
@@ -157,9 +166,9 @@ def label_weights(engine, labels: list[torch.Tensor]) -> torch.Tensor:
     return counts * (len(labels) * ranks) / total.clamp_min(1)
 
 
-def build_engine(
+def build_trainee(
     cfg: Config,
-    layout: Layout,
+    grid: ProcessGrid,
     vocab_size: int,
     device: torch.device,
     *,
@@ -168,7 +177,7 @@ def build_engine(
     load_universal: bool = False,
     weights: dict[str, torch.Tensor] | None = None,
     eos_id: int | None = None,
-) -> TrainEngine:
+) -> Trainee:
     """Build this rank's model (or pipeline stage) and wrap it in DeepSpeed's engine.
     `bf16` and `accumulation` are pre-flight's (preflight.Preflight); `load_universal`: the
     checkpoint to resume from is in DeepSpeed's universal format; `weights`: whole tensors
@@ -178,8 +187,7 @@ def build_engine(
 
     from belief_lm.model.pipeline import build_pipeline, canonical_name
 
-    topology = deepspeed_topology(layout)
-    assert_same_layout(topology)
+    layout = grid.layout
     pipelined = layout.pipeline > 1
     # how training computes, never the result
     execution = {
@@ -191,7 +199,7 @@ def build_engine(
     z_loss = cfg.train.z_loss  # part of the objective
     if pipelined:
         model = build_pipeline(
-            cfg.model, vocab_size, topology, layout.tensor, cfg.run.seed, **execution,
+            cfg.model, vocab_size, grid.topology, layout.tensor, cfg.run.seed, **execution,
             z_loss=z_loss,
         )  # fmt: skip
     else:
@@ -208,22 +216,22 @@ def build_engine(
     for module in model.modules():
         module.register_state_dict_post_hook(compat.drop_empty_extra_state)
 
-    guard = StepGuard()
-    optimizer, scheduler = build_optimizer(model, cfg.train, device, guard)
+    optimizer, scheduler = build_optimizer(model, cfg.train, device)
     ds_config = deepspeed_config(cfg, accumulation, bf16)
     ds_config["checkpoint"] = {"load_universal": load_universal}
+    # a pipeline module carries DeepSpeed's grid, made from the topology
+    groups = model.mpu() if pipelined else grid.mpu
     if cfg.parallel.zero_stage == 0 and not bf16:
         # Here DeepSpeed would clip but drop the norm; clip in a pre-step hook instead.
         ds_config["gradient_clipping"] = 0.0
-        grid = model.mpu() if pipelined else MegatronMPU()
-        optimizer.register_step_pre_hook(_clip_and_record_norm(cfg.train.grad_clip, grid))
-    mpu = None if pipelined else MegatronMPU()  # a pipeline module carries its own grid
+        optimizer.register_step_pre_hook(_clip_and_record_norm(cfg.train.grad_clip, groups))
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=mpu
-    )
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+        mpu=None if pipelined else groups,
+    )  # fmt: skip
     if pipelined and cfg.model.attention_mask == "document":
         engine.set_has_attention_mask(True)  # stages hand on (hidden, document ends: bool)
-    return TrainEngine(engine, guard, parameters, pipelined)
+    return Trainee(engine, optimizer, grid, parameters, pipelined)
 
 
 def _clip_and_record_norm(max_norm: float, mpu):
@@ -237,7 +245,7 @@ def _clip_and_record_norm(max_norm: float, mpu):
         norm = global_grad_norm(params, mpu)
         coefficient = max_norm / (norm + 1e-6)
         if max_norm > 0 and coefficient < 1:
-            torch._foreach_mul_([p.grad for p in params if p.grad is not None], coefficient)
+            compat.scale_in_place([p.grad for p in params if p.grad is not None], coefficient)
         compat.report_grad_norm(optimizer, norm)
 
     return hook

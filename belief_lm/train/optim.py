@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -62,50 +63,68 @@ class LRSchedule:
         return self.floor + (1 - self.floor) * DECAY_SHAPES[self.shape](done)
 
 
-@dataclass
-class StepGuard:
-    """Whether an optimizer step may update, and what the last one did: handed to
-    GuardedAdamW when it is made, and shared with whoever decides and reads."""
+@dataclass(frozen=True)
+class Update:
+    """What an optimizer step decided, alike on every rank."""
 
-    veto: bool = False
-    """Skip the coming update (a loss spike with train.spike.action=skip). It holds until
-    cleared: ZeRO steps each parameter group separately."""
-    skipped: bool = False
-    """Whether the last step() applied no update (for either reason)."""
-    nonfinite: bool | None = False
-    """Whether the last step() found a non-finite gradient on some rank (None: the engine
-    made no step() call, as DeepSpeed's own overflow check may decide)."""
+    nonfinite: bool
+    """A rank held a non-finite gradient: nothing was updated."""
+    vetoed: bool
+    """A rank asked to skip the update (`GuardedAdamW.vetoing`)."""
+
+    @property
+    def skipped(self) -> bool:
+        """Whether nothing was updated (for either reason)."""
+        return self.nonfinite or self.vetoed
 
 
 class GuardedAdamW(torch.optim.AdamW):
     """torch's AdamW that skips an update, on every rank together, when any rank holds a
-    non-finite gradient (a non-finite loss makes its gradients non-finite) or any rank's
-    `guard.veto` asks it to.
+    non-finite gradient (a non-finite loss makes its gradients non-finite) or any rank
+    steps it `vetoing`.
 
     DeepSpeed calls step() on every rank at each optimizer step (ZeRO calls it on its flat
     fp32 partitions, once per parameter group), so the decision is one all-reduce of two
     flags over the world, after the gradients were reduced and before anything is
-    updated; the guard then tells the caller what happened.
+    updated. DeepSpeed drops what step() returns: `take_update` tells the caller instead.
     """
 
-    def __init__(self, params, guard: StepGuard, **adamw):
+    def __init__(self, params, **adamw):
         super().__init__(params, **adamw)
-        self.guard = guard
+        self._veto = False
+        self._update: Update | None = None
+
+    @contextlib.contextmanager
+    def vetoing(self, veto: bool) -> Iterator[None]:
+        """Skip the updates of the step() calls made inside if `veto` (a loss spike with
+        train.spike.action=skip); it holds for every call: ZeRO steps each parameter group
+        separately."""
+        self._veto = veto
+        try:
+            yield
+        finally:
+            self._veto = False
+
+    def take_update(self) -> Update | None:
+        """What the last step() call since the previous take decided (every call of one
+        optimizer step decides alike); None if none was made, as DeepSpeed's own overflow
+        check may decide."""
+        update, self._update = self._update, None
+        return update
 
     @torch.no_grad()
     def step(self, closure=None):
-        guard = self.guard
         params = (p for group in self.param_groups for p in group["params"])
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else "cpu"
-        flags = torch.tensor([0.0, float(guard.veto)], device=device)  # [non-finite, veto]
+        flags = torch.tensor([0.0, float(self._veto)], device=device)  # [non-finite, veto]
         if grads:
             flags[0] = torch.isfinite(torch.nn.utils.get_total_norm(grads)).logical_not()
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, vetoed = flags.tolist()  # host-device sync, once per optimizer step
-        guard.nonfinite, guard.skipped = bool(nonfinite), bool(nonfinite or vetoed)
-        return None if guard.skipped else super().step(closure)
+        self._update = Update(nonfinite=bool(nonfinite), vetoed=bool(vetoed))
+        return None if self._update.skipped else super().step(closure)
 
 
 def adamw_kernel(kernel: str, device: torch.device) -> dict[str, bool]:
@@ -117,13 +136,12 @@ def adamw_kernel(kernel: str, device: torch.device) -> dict[str, bool]:
 
 
 def build_optimizer(
-    model: torch.nn.Module, train: TrainConfig, device: torch.device, guard: StepGuard
+    model: torch.nn.Module, train: TrainConfig, device: torch.device
 ) -> tuple[GuardedAdamW, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW (train.adamw_kernel) that skips non-finite and vetoed steps (`guard`), and its
-    LambdaLR schedule (train.lr_schedule)."""
+    """AdamW (train.adamw_kernel) that skips non-finite and vetoed steps, and its LambdaLR
+    schedule (train.lr_schedule)."""
     optimizer = GuardedAdamW(
         param_groups(model, train.weight_decay),
-        guard,
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         eps=train.eps,

@@ -9,8 +9,9 @@ profiler plugin (torch-tb-profiler) at the profile directory.
 On a GPU the CUDA caching allocator's history is also recorded over the first profiled
 step and dumped as `profile/memory_rank<R>_step<A>.pickle` (drop it on
 pytorch.org/memory_viz). That part uses torch's private torch.cuda.memory API
-(_record_memory_history / _dump_snapshot), guarded by the device type; its calls are tested
-on the CPU with stand-ins, and for real by a GPU-marked test (tests/train/test_profile.py).
+(belief_lm.compat's record_memory_history / dump_memory_history), guarded by the device
+type; its calls are tested on the CPU with stand-ins, and for real by a GPU-marked test
+(tests/train/test_profile.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from belief_lm import compat
 from belief_lm.config import ProfileConfig
 
 log = logging.getLogger("belief_lm.train")
@@ -64,13 +66,12 @@ class StepProfiler:
         self._profiler.__enter__()
         self._started_at = self._through = step
         if self.cuda:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            compat.record_memory_history(MEMORY_HISTORY_ENTRIES)
 
     def _dump_memory(self, step: int) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / f"memory_rank{self.rank}_step{step}.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
-        torch.cuda.memory._record_memory_history(enabled=None)  # stop recording
+        compat.dump_memory_history(str(path))  # and stop recording
         log.info("CUDA memory snapshot of step %d: %s", step, path)
 
     def close(self) -> None:

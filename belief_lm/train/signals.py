@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (torch-free at run time)
+    from belief_lm.parallel.grid import ProcessGrid
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopRequests:
-    """Catches the stop signals while active; `agreed()` tells every rank whether any rank
-    received one. Torch-free until `agreed()` is first called, so the `train` command
-    catches signals from its first moment (a stop during start-up is honoured after the
-    first step)."""
+    """Catches the stop signals while active; `agreed(grid)` tells every rank whether any
+    rank received one. Torch-free, so the `train` command catches signals from its first
+    moment (a stop during start-up is honoured after the first step)."""
 
     def __init__(self):
         self.received: int | None = None
         self._previous: dict = {}
-        self._group = None
 
     def catch(self) -> StopRequests:
         """Catch the stop signals from now on (until `__exit__`, if used as a context)."""
@@ -56,18 +58,8 @@ class StopRequests:
             name = signal.Signals(signum).name
             os.write(2, f"belief-lm: {name}: finishing the step, then saving\n".encode())
 
-    def agreed(self) -> bool:
-        """True on every rank if any rank received a stop signal (one all-reduce of a flag;
-        collective: every rank calls it at the same point of the loop)."""
-        import torch
-        import torch.distributed as dist
-
-        from belief_lm.parallel.peers import name_group
-
-        flag = torch.tensor(0 if self.received is None else 1, dtype=torch.int32)
-        if dist.is_initialized():
-            if self._group is None:  # the first call, on every rank alike
-                group = dist.new_group(backend="gloo")  # host-side flag, any backend
-                self._group = name_group(group, "the stop-request group")
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag)
+    def agreed(self, grid: ProcessGrid) -> bool:
+        """True on every rank if any rank received a stop signal (one all-reduce of a flag
+        on the grid's stop-request group; collective: every rank calls it at the same point
+        of the loop)."""
+        return grid.any_rank(self.received is not None)

@@ -6,7 +6,8 @@ outliers move neither, as they would a mean and a standard deviation. A loss mor
 train.spike.threshold such deviations above the median is a spike. The loss judged is the
 step's global mean, the same number on every rank, so every rank reaches the same verdict
 (and with train.spike.action=skip the veto is all-reduced with the non-finite flag anyway,
-in GuardedAdamW, so no rank can update alone).
+in GuardedAdamW, so no rank can update alone). `LossCheck` is the verdict as the step
+takes it and hands it back.
 
 Every finite loss joins the history, spikes included: a lasting change of level (new data)
 moves the median within about half a window instead of being skipped forever.
@@ -55,6 +56,21 @@ class Spike:
             "spike_score": self.score,
             "spike_skipped": float(skipped),
         }
+
+
+@dataclass(frozen=True)
+class LossCheck:
+    """A step's loss judged before its update: what the engine's step is told, and returns."""
+
+    mean: float
+    """The step's loss averaged over the global batch (the same on every rank)."""
+    spike: Spike | None
+    """The spike it was, if it was one."""
+    skip: bool
+    """Whether to skip the update (a spike with train.spike.action=skip)."""
+    layers: tuple[dict, list] | None = None
+    """A spike's per-layer gradient norms and the layers whose norm grew most, taken before
+    its update (belief_lm.train.layer_signals.GradientWatch.spike_report)."""
 
 
 class SpikeDetector:

@@ -40,6 +40,7 @@ from belief_lm.checkpoint.files import CheckpointError, CheckpointInfo, damaged,
 from belief_lm.checkpoint.universal import ensure_universal, universal_info
 from belief_lm.config import Config
 from belief_lm.parallel.dims import Layout, ParallelDims
+from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.preflight import ResumeFrom, checkpoint_root, resume_from
 from belief_lm.runtime import derived_seed
 
@@ -64,30 +65,33 @@ def data_state(data) -> dict:
     return arrays_as_tensors(data.state_dict())
 
 
-def verified_resume(plan: ResumeFrom | None, cfg: Config, dims: ParallelDims) -> ResumeFrom | None:
-    """`plan` once its checkpoint's files are verified (collective: each rank checksums a
+def verified_resume(
+    resume: ResumeFrom | None, cfg: Config, dims: ParallelDims
+) -> ResumeFrom | None:
+    """`resume` once its checkpoint's files are verified (collective: each rank checksums a
     share of them). A damaged checkpoint named by checkpoint.resume raises CheckpointError
-    naming the file; with resume=auto the next intact one is planned instead, with a warning
+    naming the file; with resume=auto the next intact one is taken instead, with a warning
     (`resume_from` refuses a run whose checkpoints are all damaged)."""
-    if plan is not None and plan.trusted:
+    if resume is not None and resume.trusted:
         log.warning(
             "checkpoint.trust is on: a file of the checkpoint holding more than a checkpoint "
             "may is loaded with pickle, which can run any code it holds"
         )
-    while plan is not None:
+    while resume is not None:
         started = time.perf_counter()
-        found, refused = verify_together(plan.path)
+        found, refused = verify_together(resume.path)
         if not found:
-            loading.refuse(plan.path, refused, plan.trusted)
-            log.info("verified checkpoint %s in %.1f s", plan.path, time.perf_counter() - started)
-            return plan
-        error = damaged(plan.path, found)
-        if cfg.checkpoint.resume != "auto" or plan.branch:  # a branch: no other parent
+            loading.refuse(resume.path, refused, resume.trusted)
+            seconds = time.perf_counter() - started
+            log.info("verified checkpoint %s in %.1f s", resume.path, seconds)
+            return resume
+        error = damaged(resume.path, found)
+        if cfg.checkpoint.resume != "auto" or resume.branch:  # a branch: no other parent
             raise error
         log.warning("%s; skipping it for an older checkpoint", error)
         # this one and the newer ones (pre-flight found and reported those) are passed over
-        newer = [path for step, path in step_dirs(plan.path.parent) if step >= plan.info.step]
-        plan = resume_from(cfg, dims, skip=newer)
+        newer = [path for step, path in step_dirs(resume.path.parent) if step >= resume.info.step]
+        resume = resume_from(cfg, dims, skip=newer)
     return None
 
 
@@ -111,61 +115,62 @@ def verify_together(path: Path, workers: int = manifest.WORKERS) -> tuple[list[s
     return tuple(sorted(line for found in every_rank for line in found[i]) for i in (0, 1))
 
 
-def weights_only(plan: ResumeFrom | None) -> dict[str, torch.Tensor] | None:
+def weights_only(resume: ResumeFrom | None) -> dict[str, torch.Tensor] | None:
     """The whole weights of a weights-only checkpoint to start from (loaded into the model
-    before its engine is built, so any layout takes them), or None for any other plan."""
-    if plan is None or not plan.info.weights_only:
+    before its engine is built, so any layout takes them), or None for any other resume."""
+    if resume is None or not resume.info.weights_only:
         return None
     from belief_lm.checkpoint.consolidate import consolidate
 
-    log.info("starting from the weights of %s (fresh optimizer and data stream)", plan.path)
+    log.info("starting from the weights of %s (fresh optimizer and data stream)", resume.path)
     # verified_resume checked the files
-    return consolidate(plan.path, verify=False, trust=plan.trusted).state_dict
+    return consolidate(resume.path, verify=False, trust=resume.trusted).state_dict
 
 
-def restore(plan: ResumeFrom, cfg: Config, engine, layout: Layout) -> int:
-    """Load `plan` into the engine and this rank's RNG states; returns the saved step.
-    The data stream's position is `load_data_state`'s."""
-    source = plan.path
-    if plan.other_layout:
-        source = ensure_universal(plan.path, cfg.model, plan.trusted)
+def restore(resume: ResumeFrom, cfg: Config, engine, grid: ProcessGrid) -> int:
+    """Load checkpoint `resume` into DeepSpeed's `engine` and this rank's RNG states;
+    returns the saved step. The data stream's position is `load_data_state`'s."""
+    path, layout = resume.path, grid.layout
+    source = path
+    if resume.other_layout:
+        source = ensure_universal(path, cfg.model, grid, resume.trusted)
     # the engine reads through our checkpoint engine (writer.py), its ZeRO optimizers a
     # universal checkpoint directly: both weights-only
-    with compat.deepspeed_loads_through(functools.partial(loading.load, trust=plan.trusted)):
+    with compat.deepspeed_loads_through(functools.partial(loading.load, trust=resume.trusted)):
         loaded, _ = engine.load_checkpoint(
             str(source.parent), tag=source.name, load_optimizer_states=True,
             load_lr_scheduler_states=True,
         )  # fmt: skip
     if loaded is None:
         raise CheckpointError(f"DeepSpeed found no loadable checkpoint in {source}")
-    info = plan.info
+    info = resume.info
     if (info.tensor, info.pipeline, info.data) == (layout.tensor, layout.pipeline, layout.data):
-        store.set_rng_state(load_rank_state(plan, dist.get_rank())["rng"])
+        store.set_rng_state(load_rank_state(resume, grid.rank)["rng"])
     else:  # RNG streams belong to ranks of the old layout: derive new ones
-        torch.manual_seed(derived_seed(cfg.run.seed, info.step * RESEED_STRIDE + dist.get_rank()))
-    log.info("resumed from %s at step %d", plan.path, info.step)
+        torch.manual_seed(derived_seed(cfg.run.seed, info.step * RESEED_STRIDE + grid.rank))
+    log.info("resumed from %s at step %d", path, info.step)
     return info.step
 
 
-def load_rank_state(plan: ResumeFrom, rank: int) -> dict:
+def load_rank_state(resume: ResumeFrom, rank: int) -> dict:
     """The `rank_state` (and what the trainer added to it) that rank `rank` saved with
-    `plan`'s checkpoint. Rank 0's suits any layout for what every rank holds alike (the
+    checkpoint `resume`. Rank 0's suits any layout for what every rank holds alike (the
     loss history of spike detection)."""
-    path = plan.path / "run_state" / f"rank{rank:05d}.pt"
+    path = resume.path / "run_state" / f"rank{rank:05d}.pt"
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {plan.path} has no state for rank {rank}")
-    return loading.load(path, trust=plan.trusted)
+        raise CheckpointError(f"checkpoint {resume.path} has no state for rank {rank}")
+    return loading.load(path, trust=resume.trusted)
 
 
-def load_data_state(plan: ResumeFrom) -> dict:
-    """The data stream's position saved with `plan`'s checkpoint (any layout's)."""
-    path = plan.path / DATA_STATE
+def load_data_state(resume: ResumeFrom) -> dict:
+    """The data stream's position saved with checkpoint `resume` (any layout's)."""
+    path = resume.path / DATA_STATE
     if not path.is_file():
         raise CheckpointError(
-            f"checkpoint {plan.path} has no {DATA_STATE}: it was written by an earlier "
+            f"checkpoint {resume.path} has no {DATA_STATE}: it was written by an earlier "
             "belief-lm whose data streams were per rank; its data position cannot be continued"
         )
-    return tensors_as_arrays(loading.load(path, trust=plan.trusted))
+    return tensors_as_arrays(loading.load(path, trust=resume.trusted))
 
 
 def arrays_as_tensors(state):
@@ -196,12 +201,13 @@ def _map_leaves(value, leaf):
     return leaf(value)
 
 
-def checkpointer(cfg: Config, engine) -> store.Checkpointer:
-    """What saves this run's checkpoints (collective: every rank makes one)."""
-    root = checkpoint_root(cfg)
+def checkpointer(cfg: Config, engine, grid: ProcessGrid) -> store.Checkpointer:
+    """What saves the checkpoints of DeepSpeed's `engine` (collective: every rank makes
+    one; the ranks agree in the grid's checkpoint group)."""
     return store.Checkpointer(
-        engine, root, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.checkpoint.trust
-    )
+        engine, checkpoint_root(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save,
+        grid.checkpoint_group, cfg.checkpoint.trust,
+    )  # fmt: skip
 
 
 def save(cfg: Config, checkpoints: store.Checkpointer, state: dict, layout: Layout, step: int,

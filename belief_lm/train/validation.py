@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from belief_lm.model.loss import IGNORE_INDEX
 from belief_lm.parallel.collectives import collective_device
@@ -40,11 +39,15 @@ def validation_batches(
 
 @torch.no_grad()
 def validation_loss(
-    model_or_engine, batches: list[Batch], pipelined: bool = False
+    model_or_engine,
+    batches: list[Batch],
+    data_group: dist.ProcessGroup | None,
+    pipelined: bool = False,
 ) -> tuple[float, int]:
-    """Mean next-token loss over every label of every rank's batches (weighted by tokens,
-    as training's: padded windows count for their labels only) and the number of labels
-    (collective over the data-parallel group; the model is left in training mode)."""
+    """Mean next-token loss over every label of the batches of every rank of `data_group`
+    (the grid's data-parallel group; None: this process's alone), weighted by tokens as
+    training's (padded windows count for their labels only), and the number of labels
+    (collective over the group; the model is left in training mode)."""
 
     module = model_or_engine.module if hasattr(model_or_engine, "module") else model_or_engine
     was_training = module.training
@@ -65,10 +68,9 @@ def validation_loss(
                 totals[1] += count
     finally:
         module.train(was_training)
-    if dist.is_initialized():
-        group = ps.get_data_parallel_group()
-        reduced = totals.to(collective_device(group))
-        dist.all_reduce(reduced, group=group)
+    if data_group is not None:
+        reduced = totals.to(collective_device(data_group))
+        dist.all_reduce(reduced, group=data_group)
         totals = reduced.cpu()
     if totals[1] == 0:
         return float("nan"), 0

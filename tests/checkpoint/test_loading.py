@@ -125,21 +125,21 @@ def test_each_reader_refuses_the_file_it_loads(poisoned, name, tmp_path, single_
     """Without the check before loading (loading.refusals), the loads themselves refuse
     the file: the data and RNG states, consolidation's reads, and DeepSpeed's engine (a
     resume on the same layout loads through our checkpoint engine, writer.py)."""
-    from tests.models import engine_for
+    from tests.models import trainee_for
 
     step = poisoned(name)
-    plan = ResumeFrom(step, read_info(step), other_layout=False)
+    resume = ResumeFrom(step, read_info(step), other_layout=False)
     if name == "data_state.pt":
-        reads = [lambda: trainer_state.load_data_state(plan)]
+        reads = [lambda: trainer_state.load_data_state(resume)]
     elif name.startswith("run_state/"):
-        reads = [lambda: trainer_state.load_rank_state(plan, 0)]
+        reads = [lambda: trainer_state.load_rank_state(resume, 0)]
     else:
         cfg = load_config(step / "config.yaml", [f"run.output_dir={tmp_path / 'run'}"])
-        engine = engine_for(cfg, single_process_group, plan.info.vocab_size).deepspeed
-        trainer_state.checkpointer(cfg, engine)  # as the trainer does before a load
+        engine = trainee_for(cfg, single_process_group, resume.info.vocab_size).engine
+        trainer_state.checkpointer(cfg, engine, single_process_group)  # as training: before a load
         reads = [
             lambda: consolidate(step, verify=False),
-            lambda: trainer_state.restore(plan, cfg, engine, single_process_group),
+            lambda: trainer_state.restore(resume, cfg, engine, single_process_group),
         ]
     for read in reads:
         with pytest.raises(loading.RefusedFile, match=f"{name} asks to import builtins.exec"):

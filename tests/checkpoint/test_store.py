@@ -109,10 +109,10 @@ def engine(single_process_group):
     """DeepSpeed's real single-process engine around a small model (ZeRO-1)."""
     from belief_lm.config import load_config
     from tests.jobs import MICRO, ROOT
-    from tests.models import engine_for
+    from tests.models import trainee_for
 
     cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=1"])
-    return engine_for(cfg, single_process_group, 256).deepspeed
+    return trainee_for(cfg, single_process_group, 256).engine
 
 
 def saving(engine, root: Path, step: int) -> Path:

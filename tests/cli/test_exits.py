@@ -135,6 +135,9 @@ NOT_INPUT_CHECKS = {
     "belief_lm/model/gpt.py": ["forward"],  # a cache under sequence parallelism: our bug
     "belief_lm/checkpoint/consolidate.py": ["build_model"],  # a caller's mistake
     "belief_lm/checkpoint/manifest.py": ["read_manifest"],  # becomes its ManifestError
+    "belief_lm/checkpoint/store.py": ["__init__"],  # a Checkpointer without the grid's group
+    "belief_lm/checkpoint/writer.py": ["saving"],  # a background save of a writer made without
+    "belief_lm/parallel/grid.py": ["__init__"],  # a grid whose dims are not the job's: a bug
     "belief_lm/checkpoint/universal.py": ["universal_info"],  # a new split: a bug
     "belief_lm/export/hf.py": ["hf_state_dict"],  # our own model's names: a mismatch is a bug
     "belief_lm/inference/lm_eval_adapter.py": ["score"],  # lm-eval's request, mid-evaluation

@@ -18,9 +18,9 @@ from corpora import states_equal, step_windows
 
 from belief_lm.config import load_config
 from belief_lm.parallel import env as process_env
-from belief_lm.parallel.collectives import rank_zero_first
-from belief_lm.parallel.setup import init_distributed, init_model_parallel
-from belief_lm.train.loop import data_collective
+from belief_lm.parallel.dims import ParallelDims
+from belief_lm.parallel.grid import ProcessGrid
+from belief_lm.train.components import data_collective
 from data_pipeline.build import build_tokenizer, build_train_data, check_data
 
 
@@ -28,15 +28,17 @@ def main(out: str, phase: str, *overrides: str) -> None:
     cfg = load_config(None, list(overrides))
     device = torch.device("cpu")
     check_data(cfg.data)  # as the trainer's pre-flight, before any process group
-    init_distributed(process_env.detect(), device)
-    layout = init_model_parallel(1, 1)
+    env = process_env.detect()
+    grid = ProcessGrid.join(env, device, ParallelDims(env.world_size, 1, 1))
+    layout = grid.layout
     # rank 0 trains the tokenizer, the others wait and load it from the cache
-    tokenizer = rank_zero_first(lambda: build_tokenizer(cfg.data, cfg.run.cache_dir))
+    tokenizer = grid.rank_zero_first(lambda: build_tokenizer(cfg.data, cfg.run.cache_dir))
 
     def stream():
         return build_train_data(
             cfg.data, tokenizer, cfg.model.seq_length, cfg.train.global_batch_size,
-            cfg.train.micro_batch_size, layout.data_rank, layout.data, device, data_collective(),
+            cfg.train.micro_batch_size, layout.data_rank, layout.data, device,
+            data_collective(grid),
         )  # fmt: skip
 
     def run(data, steps: int) -> list:

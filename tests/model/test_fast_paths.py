@@ -71,7 +71,7 @@ def test_chunked_loss_under_zero3(single_process_group):
     document mask too, whose first loss is the plain model's."""
     from belief_lm.config import load_config
     from tests.jobs import MICRO, ROOT
-    from tests.models import engine_for
+    from tests.models import trainee_for
 
     batches = [(r[:, :-1], r[:, 1:]) for r in (rows(seed) for seed in range(3))]
     losses = {}
@@ -79,9 +79,9 @@ def test_chunked_loss_under_zero3(single_process_group):
         overrides = ["model.num_layers=1", "parallel.zero_stage=3", "train.global_batch_size=2"]
         overrides += [f"train.loss_chunk_tokens={chunk}", f"model.attention_mask={mask}"]
         cfg = load_config(ROOT / MICRO, overrides)
-        trainee = engine_for(cfg, single_process_group, VOCAB, eos_id=EOS)
-        losses[chunk, mask] = [trainee.train_step(iter([batch])).item() for batch in batches]
-        trainee.deepspeed.destroy()
+        trainee = trainee_for(cfg, single_process_group, VOCAB, eos_id=EOS)
+        losses[chunk, mask] = [trainee.train_step(iter([batch])).loss.item() for batch in batches]
+        trainee.engine.destroy()
     for mask in ("causal", "document"):
         assert losses[23, mask] == pytest.approx(losses[0, mask], rel=1e-5)
         assert losses[0, mask][2] < losses[0, mask][0]  # the steps did something

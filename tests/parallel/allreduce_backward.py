@@ -12,14 +12,11 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region  # noqa: E402
 
 from belief_lm.attention import global_orthogonal_residual  # noqa: E402
 from belief_lm.parallel.collectives import tensor_parallel_sum  # noqa: E402
-from belief_lm.parallel.env import detect  # noqa: E402
-from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
-from belief_lm.runtime import select_device  # noqa: E402
+from tests.parallel.driver import join  # noqa: E402
 
 
 def grads(mh, v, weight, shard_sum):
@@ -29,9 +26,8 @@ def grads(mh, v, weight, shard_sum):
 
 
 def main():
-    init_distributed(detect(), select_device("cpu"), timeout_s=60)
-    init_model_parallel(2, 1)
-    group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    grid = join(2, 1, timeout_s=60)
+    group, rank = grid.tensor_group, grid.layout.tensor_rank
     gen = torch.Generator().manual_seed(0)
     mh, v, weight = (torch.randn(5, 3, 32, generator=gen, dtype=torch.float64) for _ in range(3))
     cols = slice(16 * rank, 16 * (rank + 1))  # this rank's heads

@@ -8,12 +8,13 @@
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --gpt2 V[,..] --no-sp V[,..]
         --padded VARIANT [--padded-micro MICRO[,MICRO..]]
 
-Builds the engine exactly as training does (build_engine, through tests.models.engine_for) and runs
-a few steps with train_step, on data that depends only on (step, global sequence index),
-so every layout sees the same global batch. Records on every rank: the global-batch loss
-of each step, the full gradient of every parameter just before each optimizer step
-(ZeRO fragments and TP shards gathered, pipeline names mapped to BeliefLM's), and the full
-parameters at the end, and each step's z-loss when train.z_loss is set. Writes
+Builds the model in its engine exactly as training does (build_trainee, through
+tests.models.trainee_for) and runs a few steps with train_step, on data that depends only on
+(step, global sequence index), so every layout sees the same global batch. Records on every
+rank: the global-batch loss of each step, the full gradient of every parameter just before
+each optimizer step (ZeRO fragments and TP shards gathered, pipeline names mapped to
+BeliefLM's), the full parameters at the end, and each step's z-loss when train.z_loss is
+set. Writes
 OUT_DIR/<variant>-zero<stage>-rank<r>.pt. With --documents, the variants named there also
 train under model.attention_mask=document, on the same table with an EOS (DOCUMENT_END)
 closing documents of 1 to 6 tokens, written as
@@ -44,18 +45,17 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
 
 from belief_lm.config import load_config  # noqa: E402
 from belief_lm.model.pipeline import canonical_name  # noqa: E402
 from belief_lm.parallel.dims import ParallelDims  # noqa: E402
 from belief_lm.parallel.env import detect  # noqa: E402
 from belief_lm.parallel.gather import full_state_dict, gather_tensor_parallel  # noqa: E402
-from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
+from belief_lm.parallel.grid import ProcessGrid  # noqa: E402
 from belief_lm.preflight import resume_from  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
 from belief_lm.train import trainer_state  # noqa: E402
-from tests.models import engine_for  # noqa: E402
+from tests.models import trainee_for  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
 DOCUMENT_END = 2
@@ -96,7 +96,7 @@ class GlobalBatches:
     Its state (the next step) does not depend on the layout, so it resumes on any."""
 
     def __init__(
-        self, accumulation: int, steps: int = 64, documents: bool = False,
+        self, accumulation: int, data_rank: int, steps: int = 64, documents: bool = False,
         padded: bool = False, micro: int = MICRO,
     ):  # fmt: skip
         gen = torch.Generator().manual_seed(0)
@@ -109,14 +109,15 @@ class GlobalBatches:
             kept = torch.randint(0, SEQ + 1, (len(self.table), 1), generator=gen)
             kept[4::5] = 0
             self.labels = self.labels.masked_fill(torch.arange(SEQ) >= kept, IGNORE)
-        self.accumulation, self.micro_size, self.step, self.micro = accumulation, micro, 0, 0
+        self.accumulation, self.rank, self.micro_size = accumulation, data_rank, micro
+        self.step, self.micro = 0, 0
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        rank, size = ps.get_data_parallel_rank(), self.micro_size
-        start = self.step * GLOBAL_BATCH + (rank * self.accumulation + self.micro) * size
+        size = self.micro_size
+        start = self.step * GLOBAL_BATCH + (self.rank * self.accumulation + self.micro) * size
         rows = slice(start, start + size)
         self.micro += 1
         if self.micro == self.accumulation:
@@ -135,29 +136,29 @@ def probe_tokens() -> torch.Tensor:
 
 
 def run(
-    out_dir: str, tp: int, pp: int, zero: int, variant: str, save_at=None, resume=None,
+    grid: ProcessGrid, out_dir: str, zero: int, variant: str, save_at=None, resume=None,
     steps=STEPS, overrides: tuple[str, ...] = (), name: str | None = None, padded=False,
 ) -> None:  # fmt: skip
-    """Train and record one run; its file is named after `name` (default: the variant);
-    `padded`: on labels masked (GlobalBatches)."""
-    cfg = config(tp, pp, zero, variant, *overrides)
+    """Train and record one run on `grid`; its file is named after `name` (default: the
+    variant); `padded`: on labels masked (GlobalBatches)."""
+    layout = grid.layout
+    cfg = config(layout.tensor, layout.pipeline, zero, variant, *overrides)
     cfg.run.output_dir = out_dir
     cfg.checkpoint.resume = resume or "never"
-    layout = init_model_parallel(tp, pp)
     # the synthetic data below resumes at any data-parallel size: only the weights' checks
-    plan = resume_from(cfg, ParallelDims(dist.get_world_size(), tp, pp))
-    universal = plan is not None and plan.other_layout
-    trainee = engine_for(cfg, layout, VOCAB, load_universal=universal, eos_id=DOCUMENT_END)
-    engine = trainee.deepspeed
+    checkpoint = resume_from(cfg, grid.dims)
+    universal = checkpoint is not None and checkpoint.other_layout
+    trainee = trainee_for(cfg, grid, VOCAB, load_universal=universal, eos_id=DOCUMENT_END)
+    engine = trainee.engine
     documents = cfg.model.attention_mask == "document"
     data = GlobalBatches(
-        engine.gradient_accumulation_steps(), documents=documents, padded=padded,
-        micro=cfg.train.micro_batch_size,
+        engine.gradient_accumulation_steps(), layout.data_rank, documents=documents,
+        padded=padded, micro=cfg.train.micro_batch_size,
     )  # fmt: skip
     first = 0
-    if plan is not None:
-        first = trainer_state.restore(plan, cfg, engine, layout)
-        data.load_state_dict(trainer_state.load_data_state(plan))
+    if checkpoint is not None:
+        first = trainer_state.restore(checkpoint, cfg, engine, grid)
+        data.load_state_dict(trainer_state.load_data_state(checkpoint))
     rename = (lambda n: canonical_name(n, cfg.model.num_layers)) if trainee.pipelined else None
 
     grads_per_step = []
@@ -176,15 +177,16 @@ def run(
     engine._take_model_step = capture_then_step
     losses, norms, z_losses = [], [], []
     for _ in range(first, save_at or steps):
-        losses.append(trainee.global_mean(trainee.train_step(data)))
+        outcome = trainee.train_step(data)
+        losses.append(trainee.global_mean(outcome.loss))
         norms.append(float(engine.get_global_grad_norm()))
-        if "z_loss" in trainee.reported:
-            z_losses.append(trainee.global_mean(trainee.reported["z_loss"]))
+        if "z_loss" in outcome.reported:
+            z_losses.append(trainee.global_mean(outcome.reported["z_loss"]))
     if save_at:
         tokenizer = Path(out_dir) / "tokenizer.model"  # the checkpoint copies it; any bytes do
         tokenizer.write_bytes(b"synthetic data: no tokenizer")
         state = trainer_state.rank_state(layout)
-        checkpoints = trainer_state.checkpointer(cfg, engine)
+        checkpoints = trainer_state.checkpointer(cfg, engine, grid)
         trainer_state.save(
             cfg, checkpoints, state, layout, save_at, 0, VOCAB, tokenizer, data.state_dict()
         )
@@ -194,8 +196,8 @@ def run(
         engine.module.eval()
         with torch.no_grad():
             shard = engine.module(probe_tokens())
-        pieces = [torch.empty_like(shard) for _ in range(tp)]
-        dist.all_gather(pieces, shard, group=ps.get_tensor_model_parallel_group())
+        pieces = [torch.empty_like(shard) for _ in range(layout.tensor)]
+        dist.all_gather(pieces, shard, group=grid.tensor_group)
         logits = torch.cat(pieces, dim=-1)
     torch.save(
         {
@@ -210,12 +212,18 @@ def run(
     )
 
 
+def join(tp: int, pp: int, timeout_s: float) -> ProcessGrid:
+    """This torchrun job's process grid at TP x PP (the rest data-parallel), on the CPU."""
+    env = detect()
+    dims = ParallelDims(env.world_size, tp, pp)
+    return ProcessGrid.join(env, select_device("cpu"), dims, timeout_s=timeout_s)
+
+
 def main() -> None:
     out_dir, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     zero_stages, variants = [int(z) for z in sys.argv[4].split(",")], sys.argv[5].split(",")
     options = dict(zip(sys.argv[6::2], sys.argv[7::2], strict=True))
-    device = select_device("cpu")
-    init_distributed(detect(), device, timeout_s=300)
+    grid = join(tp, pp, timeout_s=300)
     save_at = int(options["--save-at"]) if "--save-at" in options else None
     steps = int(options.get("--steps", STEPS))
     documents = options.get("--documents", "").split(",")
@@ -223,26 +231,26 @@ def main() -> None:
     padded = options.get("--padded-micro", str(MICRO)) if "--padded" in options else ""
     padded_micro = [int(m) for m in filter(None, padded.split(","))]
     stability = [*STABILITY, f"train.loss_chunk_tokens={options.get('--chunk', 0)}"]
-    for zero in zero_stages:  # one process group for all: start-up dominates on CPU
+    for zero in zero_stages:  # one process grid for all: start-up dominates on CPU
         for variant in variants:
-            run(out_dir, tp, pp, zero, variant, save_at, options.get("--resume"), steps)
+            run(grid, out_dir, zero, variant, save_at, options.get("--resume"), steps)
         for variant in filter(None, documents):
             together = STABILITY if variant in stabilized else ()  # the mask with both
             overrides = ("model.attention_mask=document", *together)
             name = f"{variant}-documents"
-            run(out_dir, tp, pp, zero, variant, overrides=overrides, name=name, steps=steps)
+            run(grid, out_dir, zero, variant, overrides=overrides, name=name, steps=steps)
         for variant in filter(None, stabilized):
             name = f"{variant}-stability"
-            run(out_dir, tp, pp, zero, variant, overrides=tuple(stability), name=name, steps=steps)
+            run(grid, out_dir, zero, variant, overrides=tuple(stability), name=name, steps=steps)
         for kind, overrides in VARIATIONS.items():
             option = "--no-sp" if kind == "nosp" else f"--{kind}"
             for variant in filter(None, options.get(option, "").split(",")):
                 name = f"{variant}-{kind}"
-                run(out_dir, tp, pp, zero, variant, overrides=overrides, name=name, steps=steps)
+                run(grid, out_dir, zero, variant, overrides=overrides, name=name, steps=steps)
         for micro in padded_micro if zero == zero_stages[0] else []:
             overrides = (f"train.micro_batch_size={micro}",)
             name = f"{options['--padded']}-padded-micro{micro}"
-            run(out_dir, tp, pp, zero, options["--padded"], overrides=overrides, name=name,
+            run(grid, out_dir, zero, options["--padded"], overrides=overrides, name=name,
                 steps=steps, padded=True)  # fmt: skip
     dist.barrier()
 

@@ -20,10 +20,8 @@ import torch.distributed as dist  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from belief_lm.model.gpt import BeliefLM  # noqa: E402
-from belief_lm.parallel.env import detect  # noqa: E402
-from belief_lm.parallel.setup import init_distributed, init_model_parallel  # noqa: E402
-from belief_lm.runtime import select_device  # noqa: E402
 from tests.models import tiny_model  # noqa: E402
+from tests.parallel.driver import join  # noqa: E402
 
 VOCAB, CHUNK, SEED = 256, 23, 3
 PATHS = {"plain": ({}, 0), "fused_output": ({"fused_output_projection": True}, 0)}
@@ -57,8 +55,7 @@ def loss_and_grads(
 
 
 def main() -> None:
-    init_distributed(detect(), select_device("cpu"), timeout_s=120)
-    init_model_parallel(2, 1)
+    join(2, 1, timeout_s=120)
     paths = {name: loss_and_grads(*path, 2) for name, path in PATHS.items()}
     graphs = [(counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))]
     counters.clear()

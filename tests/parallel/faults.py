@@ -19,38 +19,36 @@ import torch.distributed as dist  # noqa: E402
 import belief_lm.train.loop as loop  # noqa: E402
 from belief_lm.config import load_config  # noqa: E402
 from belief_lm.model.gpt import DecoderLayer  # noqa: E402
-from belief_lm.train.engine import TrainEngine  # noqa: E402
+from belief_lm.train.engine import Trainee  # noqa: E402
 
 
 def main():
     out_dir, nan_steps, nan_rank, *overrides = sys.argv[1:]
     nan_steps, nan_rank = {int(s) for s in nan_steps.split(",")}, int(nan_rank)
     record = {"checksums": [], "error": None, "result": None}
-    original_step, calls = TrainEngine.train_step, []
+    original_step, calls = Trainee.train_step, []
 
     def checksum(trainee):
         return sum(
-            float(p.detach().double().abs().sum()) for p in trainee.deepspeed.module.parameters()
+            float(p.detach().double().abs().sum()) for p in trainee.engine.module.parameters()
         )
 
     def faulty_step(trainee, micro_batches, screen=None):
         calls.append(None)
         hook = None
         if len(calls) in nan_steps and dist.get_rank() == nan_rank:
-            layer = next(
-                m for m in trainee.deepspeed.module.modules() if isinstance(m, DecoderLayer)
-            )
+            layer = next(m for m in trainee.engine.module.modules() if isinstance(m, DecoderLayer))
             hook = layer.register_forward_hook(lambda m, args, out: out * float("nan"))
         before = checksum(trainee)
         try:
-            loss = original_step(trainee, micro_batches, screen)
+            outcome = original_step(trainee, micro_batches, screen)
         finally:
             if hook is not None:
                 hook.remove()
         record["checksums"].append((before, checksum(trainee)))
-        return loss
+        return outcome
 
-    TrainEngine.train_step = faulty_step
+    Trainee.train_step = faulty_step
     cfg = load_config("configs/test/micro.yaml", overrides)
     try:
         record["result"] = loop.train(cfg)

@@ -18,16 +18,24 @@ import torch.distributed as dist  # noqa: E402
 
 from belief_lm import compat  # noqa: E402
 from belief_lm.config import load_config  # noqa: E402
-from belief_lm.parallel import peers  # noqa: E402
+from belief_lm.parallel.grid import ProcessGrid  # noqa: E402
 from belief_lm.train.loop import train  # noqa: E402
 
 
 def main():
     out_dir, *overrides = sys.argv[1:]
+    grids, join = [], ProcessGrid.join
+
+    def joining(*args, **kwargs):  # the run's grid, kept to name its groups afterwards
+        grids.append(join(*args, **kwargs))
+        return grids[-1]
+
+    ProcessGrid.join = joining
     train(load_config("configs/test/micro.yaml", overrides))
+    (grid,) = grids
     groups = [
         (dist.get_process_group_ranks(group), compat.group_timeout(group).total_seconds(),
-         peers.group_role(group))
+         grid.peers.role(group))
         for group in compat.all_groups()
     ]  # fmt: skip
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as file:

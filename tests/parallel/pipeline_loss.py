@@ -13,9 +13,6 @@ warnings.filterwarnings("ignore")
 
 import torch.distributed as dist  # noqa: E402
 
-from belief_lm.parallel.env import detect  # noqa: E402
-from belief_lm.parallel.setup import init_distributed  # noqa: E402
-from belief_lm.runtime import select_device  # noqa: E402
 from tests.parallel import driver  # noqa: E402
 
 CHUNK = 7
@@ -30,9 +27,9 @@ CASES["untied-compiled"] = ("model.tie_embeddings=False", "model.compile=layer")
 
 
 def main() -> None:
-    init_distributed(detect(), select_device("cpu"), timeout_s=120)
+    grid = driver.join(1, 2, timeout_s=120)
     for name, overrides in CASES.items():
-        driver.run(sys.argv[1], 1, 2, 1, "belief_star", overrides=overrides, name=name)
+        driver.run(grid, sys.argv[1], 1, "belief_star", overrides=overrides, name=name)
     dist.barrier()
 
 

@@ -16,17 +16,25 @@ import os
 import signal
 import sys
 import time
-from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from belief_lm.parallel import collectives, heartbeat, peers
+from belief_lm.parallel import heartbeat, peers
+from belief_lm.parallel.dims import ParallelDims
+from belief_lm.parallel.env import detect
+from belief_lm.parallel.grid import ProcessGrid
 
 
 def main():
     out_dir, case = sys.argv[1:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=4))
-    peers.start(out_dir, timeout_s=4, rank_zero_wait_s=2 if case == "slow" else 60)
+    env, wait_s = detect(), 2 if case == "slow" else 60
+    # groups made at leisure (a loaded machine), then collectives watched at 4 s
+    grid = ProcessGrid.join(
+        env, torch.device("cpu"), ParallelDims(env.world_size, 1, 1), timeout_s=60,
+        rank_zero_wait_s=wait_s,
+    )  # fmt: skip
+    grid.peers.start_watch(out_dir, timeout_s=4, rank_zero_wait_s=wait_s)
 
     def work():
         if dist.get_rank() == 0 and case == "slow":
@@ -36,7 +44,7 @@ def main():
 
     started = time.monotonic()
     try:
-        collectives.rank_zero_first(work)
+        grid.rank_zero_first(work)
     except peers.PeerLost as lost:
         seconds = time.monotonic() - started
         if dist.get_rank() == 1:

@@ -9,7 +9,7 @@ from belief_lm.config import load_config
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.model.loss import IGNORE_INDEX
 from tests.jobs import MICRO, ROOT
-from tests.models import engine_for
+from tests.models import trainee_for
 
 VOCAB, SEQ = 256, 32
 
@@ -35,12 +35,12 @@ def config(micro: int = 4, z_loss: float = 0.0):
     )  # fmt: skip
 
 
-def one_step(layout, micro: int, z_loss: float) -> tuple[float, dict, float]:
+def one_step(grid, micro: int, z_loss: float) -> tuple[float, dict, float]:
     """(the step's logged loss, the gradients before the update, the z-loss reported) of
     the micro config's model at micro-batch `micro` (accumulation 4 / micro) on
     unequal_step."""
-    trainee = engine_for(config(micro, z_loss), layout, VOCAB)
-    engine, grads = trainee.deepspeed, {}
+    trainee = trainee_for(config(micro, z_loss), grid, VOCAB)
+    engine, grads = trainee.engine, {}
     take_step = engine._take_model_step
 
     def capture_then_step(*args, **kwargs):
@@ -53,8 +53,9 @@ def one_step(layout, micro: int, z_loss: float) -> tuple[float, dict, float]:
     engine._take_model_step = capture_then_step
     tokens, labels = unequal_step()
     batches = zip(tokens.split(micro), labels.split(micro), strict=True)
-    loss = trainee.global_mean(trainee.train_step(batches))
-    z = trainee.global_mean(trainee.reported["z_loss"])
+    done = trainee.train_step(batches)
+    loss = trainee.global_mean(done.loss)
+    z = trainee.global_mean(done.reported["z_loss"])
     engine.destroy()
     return loss, grads, z
 

@@ -10,7 +10,7 @@ from belief_lm.config import ConfigError, TrainConfig, load_config
 from belief_lm.train.loop import train
 from belief_lm.train.optim import (
     LRSchedule,
-    StepGuard,
+    Update,
     adamw_kernel,
     build_optimizer,
     param_groups,
@@ -103,7 +103,7 @@ def test_a_restored_scheduler_continues_mid_decay():
 
     def scheduled():
         model = torch.nn.Linear(2, 2)
-        return build_optimizer(model, train, torch.device("cpu"), StepGuard())
+        return build_optimizer(model, train, torch.device("cpu"))
 
     optimizer, scheduler = scheduled()
     trace = []
@@ -137,12 +137,35 @@ def test_weight_decay_only_on_matrices():
     assert {p.ndim for p in decay["params"]} == {2} and len(decay["params"]) == 2
     assert {p.ndim for p in no_decay["params"]} == {1} and len(no_decay["params"]) == 3
     train = TrainConfig(lr=0.5, warmup_steps=5, weight_decay=0.1)
-    optimizer, _ = build_optimizer(model, train, torch.device("cpu"), StepGuard())
+    optimizer, _ = build_optimizer(model, train, torch.device("cpu"))
     assert isinstance(optimizer, torch.optim.AdamW)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # 0.5 x 1/5 at step 0
     # the optimizer decays each parameter as its group says: matrices only
     decayed = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
     assert decayed == {id(p): 0.1 if p.ndim >= 2 else 0.0 for p in model.parameters()}
+
+
+def test_the_optimizer_tells_what_each_step_decided():
+    """A vetoed step and a non-finite gradient leave the weights as they were; each step's
+    decision is taken once (none before a step); the veto holds only where it is given."""
+    model = torch.nn.Linear(2, 2)
+    optimizer, _ = build_optimizer(model, TrainConfig(lr=0.1, warmup_steps=0), torch.device("cpu"))
+    weights = [p.detach().clone() for p in model.parameters()]
+
+    def step(grad: float, veto: bool = False) -> Update | None:
+        for param in model.parameters():
+            param.grad = torch.full_like(param, grad)
+        with optimizer.vetoing(veto):
+            optimizer.step()
+        return optimizer.take_update()
+
+    assert optimizer.take_update() is None
+    assert step(1.0, veto=True) == Update(nonfinite=False, vetoed=True)
+    assert optimizer.take_update() is None  # taken
+    assert step(float("nan")) == Update(nonfinite=True, vetoed=False)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    assert step(1.0) == Update(nonfinite=False, vetoed=False)
+    assert not any(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -171,7 +194,7 @@ def test_adamw_kernels_take_the_same_steps():
     for kernel in ("for_loop", "foreach", "fused"):
         model = copy.deepcopy(start)
         cfg = TrainConfig(lr=1e-2, warmup_steps=2, max_steps=6, adamw_kernel=kernel)
-        optimizer, scheduler = build_optimizer(model, cfg, torch.device("cpu"), StepGuard())
+        optimizer, scheduler = build_optimizer(model, cfg, torch.device("cpu"))
         assert optimizer.defaults["fused"] == (kernel == "fused")
         for step_grads in grads:
             for param, grad in zip(model.parameters(), step_grads, strict=True):
