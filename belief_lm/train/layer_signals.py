@@ -47,11 +47,12 @@ def layer_grad_norms(module: torch.nn.Module) -> dict[str, float]:
     every rank calls it between backward and the optimizer step; not with a pipeline's
     engine, which steps inside train_batch)."""
     from deepspeed.utils import safe_get_full_grad
-    from megatron.core import parallel_state as ps
 
     from belief_lm.model.gpt import DecoderLayer
+    from belief_lm.parallel.collectives import TensorParallelPlace
 
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    place = TensorParallelPlace.here()  # megatron's tensor-parallel group, which the grid made
+    tp_rank = place.rank
     layers = [m for m in module.modules() if isinstance(m, DecoderLayer)]
     squares = []
     for layer in layers:
@@ -64,8 +65,8 @@ def layer_grad_norms(module: torch.nn.Module) -> dict[str, float]:
     if not squares:
         return {}
     stacked = torch.stack(squares).to(_collective_device())
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(stacked, group=ps.get_tensor_model_parallel_group())
+    if place.size > 1:
+        dist.all_reduce(stacked, group=place.group)
     return {
         f"layer{layer.layer_number}/{GRAD_NORM}": float(value.sqrt())
         for layer, value in zip(layers, stacked.cpu(), strict=True)

@@ -16,6 +16,8 @@ def test_validation_weighs_every_label_alike():
     cfg = config()
     model = BeliefLM(cfg.model, VOCAB, seed=cfg.run.seed)
     tokens, labels = unequal_step()
-    loss, count = validation_loss(model, [(tokens[:2], labels[:2]), (tokens[2:], labels[2:])])
+    loss, count = validation_loss(
+        model, [(tokens[:2], labels[:2]), (tokens[2:], labels[2:])], data_group=None
+    )
     assert count == 66
     assert loss == pytest.approx(model(tokens, labels).item(), rel=1e-5)
