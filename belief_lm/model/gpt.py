@@ -48,6 +48,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
+from torch.profiler import record_function
 
 from belief_lm import compat
 from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, documents, rotary_angles
@@ -457,19 +458,21 @@ class BeliefLM(MegatronModule):
         """Logits [seq, batch, vocab / TP], or the mean loss when labels are given (its
         gradient the objective's, with the z-loss). With a `cache` (from `decode_cache`),
         `tokens` continue what it holds, and are added to it."""
-        if cache is None:
-            hidden = self.embedding(tokens)
-            for layer in self.layers:
-                hidden = layer(hidden)
-        else:
-            if self.config.sequence_parallel:
-                raise ValueError("decoding with a cache needs sequence parallelism off")
-            hidden = self._decode(tokens, cache)
+        with record_function("forward"):  # a phase of a profiled step
+            if cache is None:
+                hidden = self.embedding(tokens)
+                for layer in self.layers:
+                    hidden = layer(hidden)
+            else:
+                if self.config.sequence_parallel:
+                    raise ValueError("decoding with a cache needs sequence parallelism off")
+                hidden = self._decode(tokens, cache)
+            hidden = self.final_norm(hidden)
         tied = self.embedding.word_embeddings.weight if self.model_config.tie_embeddings else None
-        hidden = self.final_norm(hidden)
         if labels is None:
             return self.output_layer(hidden, tied)
-        loss, self.last_z_loss = self.output_layer(hidden, tied, labels)
+        with record_function("loss"):
+            loss, self.last_z_loss = self.output_layer(hidden, tied, labels)
         return loss
 
     def get_additional_losses(self) -> dict[str, Tensor] | None:

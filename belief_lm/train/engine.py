@@ -19,11 +19,13 @@ labels, then weigh each token like a full batch's.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from belief_lm import compat
 from belief_lm.config import Config
@@ -101,6 +103,12 @@ class Trainee:
     parameters: int
     """Whole-model parameter count (all ranks)."""
     pipelined: bool
+    reduces_gradients: bool = True
+    """Whether DeepSpeed's engine reduces the gradients over data parallelism after the
+    last backward of a step. Not at ZeRO-0 without a data-parallel peer (`alone`): there
+    DeepSpeed would still flatten every gradient into one buffer, scale it by 1, all-reduce
+    it over a group of one and copy it back (DeepSpeedEngine.allreduce_gradients ->
+    buffered_allreduce_fallback), three passes over the gradients that change no bit."""
     before_update: Callable[[], object] | None = None
     """Called once the step's gradients are complete, before `screen` and the update (per-
     layer gradient norms: belief_lm/train/layer_signals.py); not with a pipeline."""
@@ -131,7 +139,8 @@ class Trainee:
         total, check, reported = None, None, {}
         for micro, ((tokens, labels), weight) in enumerate(zip(batches, weights, strict=True)):
             loss = engine(tokens, labels) * weight
-            engine.backward(loss)  # DeepSpeed divides by the accumulation steps
+            with record_function("backward"), self._reduction():
+                engine.backward(loss)  # DeepSpeed divides by the accumulation steps
             total = loss.detach() if total is None else total + loss.detach()
             for name, value in (engine.module.get_additional_losses() or {}).items():
                 reported[name] = reported.get(name, 0) + value * weight / accumulation
@@ -142,6 +151,12 @@ class Trainee:
             with optimizer.vetoing(check is not None and check.skip):
                 engine.step()  # optimizer + scheduler step only at the accumulation boundary
         return StepOutcome(total / accumulation, optimizer.take_update(), check, reported)
+
+    def _reduction(self) -> contextlib.AbstractContextManager:
+        """Where a backward runs: with DeepSpeed's gradient reduction, or without it
+        (engine.no_sync, DeepSpeed's own switch: ZeRO-0 only) where there is nothing to
+        reduce (`reduces_gradients`)."""
+        return contextlib.nullcontext() if self.reduces_gradients else self.engine.no_sync()
 
     def global_mean(self, loss: torch.Tensor) -> float:
         """This step's loss averaged over the global batch, on every rank (collective over
@@ -231,7 +246,8 @@ def build_trainee(
     )  # fmt: skip
     if pipelined and cfg.model.attention_mask == "document":
         engine.set_has_attention_mask(True)  # stages hand on (hidden, document ends: bool)
-    return Trainee(engine, optimizer, grid, parameters, pipelined)
+    alone = engine.dp_world_size == 1 and cfg.parallel.zero_stage == 0 and not pipelined
+    return Trainee(engine, optimizer, grid, parameters, pipelined, reduces_gradients=not alone)
 
 
 def _clip_and_record_norm(max_norm: float, mpu):
@@ -241,12 +257,14 @@ def _clip_and_record_norm(max_norm: float, mpu):
     max_norm / (norm + 1e-6)."""
 
     def hook(optimizer, args, kwargs):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = global_grad_norm(params, mpu)
-        coefficient = max_norm / (norm + 1e-6)
-        if max_norm > 0 and coefficient < 1:
-            compat.scale_in_place([p.grad for p in params if p.grad is not None], coefficient)
-        compat.report_grad_norm(optimizer, norm)
+        with record_function("clip"):  # a phase of a profiled step
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = global_grad_norm(params, mpu)
+            coefficient = max_norm / (norm + 1e-6)
+            if max_norm > 0 and coefficient < 1:
+                grads = [p.grad for p in params if p.grad is not None]
+                compat.scale_in_place(grads, coefficient)
+            compat.report_grad_norm(optimizer, norm)
 
     return hook
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from belief_lm.config import TrainConfig
 
@@ -114,17 +115,21 @@ class GuardedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        params = (p for group in self.param_groups for p in group["params"])
-        grads = [p.grad for p in params if p.grad is not None]
-        device = grads[0].device if grads else "cpu"
-        flags = torch.tensor([0.0, float(self._veto)], device=device)  # [non-finite, veto]
-        if grads:
-            flags[0] = torch.isfinite(torch.nn.utils.get_total_norm(grads)).logical_not()
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, vetoed = flags.tolist()  # host-device sync, once per optimizer step
-        self._update = Update(nonfinite=bool(nonfinite), vetoed=bool(vetoed))
-        return None if self._update.skipped else super().step(closure)
+        with record_function("guard"):  # a phase of a profiled step
+            params = (p for group in self.param_groups for p in group["params"])
+            grads = [p.grad for p in params if p.grad is not None]
+            device = grads[0].device if grads else "cpu"
+            flags = torch.tensor([0.0, float(self._veto)], device=device)  # [non-finite, veto]
+            if grads:
+                flags[0] = torch.isfinite(torch.nn.utils.get_total_norm(grads)).logical_not()
+            if dist.is_initialized():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            nonfinite, vetoed = flags.tolist()  # host-device sync, once per optimizer step
+            self._update = Update(nonfinite=bool(nonfinite), vetoed=bool(vetoed))
+        if self._update.skipped:
+            return None
+        with record_function("optimizer"):
+            return super().step(closure)
 
 
 def adamw_kernel(kernel: str, device: torch.device) -> dict[str, bool]:
