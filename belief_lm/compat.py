@@ -55,6 +55,13 @@ def scale_in_place(tensors: list[Tensor], factor: float) -> None:
     torch._foreach_mul_(tensors, factor)
 
 
+def norms(tensors: list[Tensor]) -> list[Tensor]:
+    """The 2-norm of each of `tensors`, one multi-tensor kernel per device and dtype:
+    torch's `_foreach_norm`, the pass torch.nn.utils.get_total_norm makes (whose total
+    alone it returns)."""
+    return list(torch._foreach_norm(tensors)) if tensors else []
+
+
 def record_memory_history(max_entries: int) -> None:
     """Record the CUDA caching allocator's events from now on, keeping the newest
     `max_entries` (torch.cuda.memory's _record_memory_history, the API documented with

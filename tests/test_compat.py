@@ -22,6 +22,13 @@ def test_torch_scales_a_list_of_tensors_in_place():
     assert tensors[0].tolist() == [0.5] * 3 and tensors[1].tolist() == [[1.5] * 2] * 2
 
 
+def test_torch_norms_each_tensor_of_a_list():
+    tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(2, dtype=torch.float64)]
+    found = compat.norms(tensors)
+    assert [n.item() for n in found] == pytest.approx([t.norm().item() for t in tensors])
+    assert [n.dtype for n in found] == [t.dtype for t in tensors] and compat.norms([]) == []
+
+
 def test_torch_records_and_dumps_the_allocator_history_as_profiling_calls_it():
     """compat.record_memory_history / dump_memory_history's calls, by their signatures (the
     calls themselves need a GPU: tests/train/test_profile.py's GPU test)."""
@@ -101,7 +108,7 @@ def test_deepspeed_lists_the_shm_op_it_may_build():
 
 
 def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_group):
-    """ZeRO-0 in fp32: we clip in the optimizer's pre-step hook and hand the norm over;
+    """ZeRO-0 in fp32: our optimizer clips before its update and hands the norm over;
     the engine's get_global_grad_norm() must be that norm."""
     cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=0"])
     trainee = trainee_for(cfg, single_process_group, 256)

@@ -231,15 +231,16 @@ def build_trainee(
     for module in model.modules():
         module.register_state_dict_post_hook(compat.drop_empty_extra_state)
 
-    optimizer, scheduler = build_optimizer(model, cfg.train, device)
     ds_config = deepspeed_config(cfg, accumulation, bf16)
     ds_config["checkpoint"] = {"load_universal": load_universal}
     # a pipeline module carries DeepSpeed's grid, made from the topology
     groups = model.mpu() if pipelined else grid.mpu
+    clip = None
     if cfg.parallel.zero_stage == 0 and not bf16:
-        # Here DeepSpeed would clip but drop the norm; clip in a pre-step hook instead.
+        # Here DeepSpeed would clip but drop the norm; our optimizer clips instead.
         ds_config["gradient_clipping"] = 0.0
-        optimizer.register_step_pre_hook(_clip_and_record_norm(cfg.train.grad_clip, groups))
+        clip = ClipByGlobalNorm(cfg.train.grad_clip, groups)
+    optimizer, scheduler = build_optimizer(model, cfg.train, device, clip)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=None if pipelined else groups,
@@ -250,34 +251,37 @@ def build_trainee(
     return Trainee(engine, optimizer, grid, parameters, pipelined, reduces_gradients=not alone)
 
 
-def _clip_and_record_norm(max_norm: float, mpu):
-    """Optimizer pre-step hook: clip the (already data-parallel reduced) gradients by their
-    global norm and hand the pre-clip norm to DeepSpeed's engine for its
-    get_global_grad_norm() (compat.report_grad_norm). The clip coefficient is DeepSpeed's,
-    max_norm / (norm + 1e-6)."""
+@dataclass(frozen=True)
+class ClipByGlobalNorm:
+    """Clipping by the whole model's gradient norm, for GuardedAdamW to apply before its
+    update (`clip`) where DeepSpeed's own clipping would drop the norm (ZeRO-0 in fp32).
+    The coefficient is DeepSpeed's, max_norm / (norm + 1e-6)."""
 
-    def hook(optimizer, args, kwargs):
-        with record_function("clip"):  # a phase of a profiled step
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            norm = global_grad_norm(params, mpu)
-            coefficient = max_norm / (norm + 1e-6)
-            if max_norm > 0 and coefficient < 1:
-                grads = [p.grad for p in params if p.grad is not None]
-                compat.scale_in_place(grads, coefficient)
-            compat.report_grad_norm(optimizer, norm)
+    max_norm: float
+    mpu: object
+    """Where the model-parallel peers are (DeepSpeed's mpu interface)."""
 
-    return hook
+    def clip(self, params: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> float:
+        """Scale the gradients of `params` (whose 2-norms are `norms`, one per parameter)
+        so that the whole model's norm is at most max_norm; returns that norm before
+        clipping (collective over the model-parallel group: a host-device sync)."""
+        norm = global_grad_norm(params, norms, self.mpu)
+        coefficient = self.max_norm / (norm + 1e-6)
+        if self.max_norm > 0 and coefficient < 1:
+            compat.scale_in_place([p.grad for p in params], coefficient)
+        return norm
 
 
-def global_grad_norm(params: list[torch.nn.Parameter], mpu) -> float:
-    """2-norm of the whole model's gradient: TP-replicated weights counted on TP rank 0
-    only, the output stage's copy of a tied embedding not at all, squares summed over the
-    model-parallel (TP x PP) group. DeepSpeed's own helpers each miss one of these rules."""
+def global_grad_norm(params: list[torch.nn.Parameter], norms: list[torch.Tensor], mpu) -> float:
+    """2-norm of the whole model's gradient from this rank's `params` and their gradients'
+    `norms`: TP-replicated weights counted on TP rank 0 only, the output stage's copy of a
+    tied embedding not at all, squares summed over the model-parallel (TP x PP) group.
+    DeepSpeed's own helpers each miss one of these rules."""
     tp_rank = mpu.get_tensor_model_parallel_rank()
-    grads = [p.grad for p in params if p.grad is not None and counted_once(p, tp_rank)]
-    device = grads[0].device if grads else torch.device("cpu")
+    counted = [n for p, n in zip(params, norms, strict=True) if counted_once(p, tp_rank)]
+    device = norms[0].device if norms else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        squares = torch.nn.utils.get_total_norm(grads).float().square()
+    if counted:  # torch.nn.utils.get_total_norm's sum of the same norms
+        squares = torch.linalg.vector_norm(torch.stack(counted)).float().square()
     torch.distributed.all_reduce(squares, group=mpu.get_model_parallel_group())
     return float(squares.sqrt())

@@ -122,3 +122,23 @@ def test_zero0_alone_skips_deepspeeds_reduction_bit_for_bit(single_process_group
     (reduced_losses, reduced), (losses, weights) = runs
     assert losses == reduced_losses
     assert all(torch.equal(weights[name], reduced[name]) for name in reduced)
+
+
+def test_zero0_clips_once_and_reports_the_norm_before(single_process_group):
+    """At ZeRO-0 in fp32 our optimizer clips (DeepSpeed would drop the norm): once, and the
+    engine reports the norm before clipping, also when a plain torch AdamW exists in the
+    process (making one patches AdamW.step, which our update calls, with torch's hook
+    runner: a clipping step pre-hook ran twice and reported the clipped norm)."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # patches AdamW.step
+    cfg = load_config(
+        ROOT / MICRO,
+        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch_size=4",
+         "train.global_batch_size=4", "parallel.zero_stage=0", "train.grad_clip=0.01"],
+    )  # fmt: skip
+    _, grads, _ = whole_batch(z_loss=0.0)
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+    assert norm > 10 * cfg.train.grad_clip
+    trainee = trainee_for(cfg, single_process_group, VOCAB)
+    trainee.train_step(iter([unequal_step()]))
+    assert trainee.engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-4)
+    trainee.engine.destroy()
