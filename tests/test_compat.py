@@ -58,6 +58,38 @@ def test_megatron_column_linear_reads_allreduce_dgrad_at_forward():
     )
 
 
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_megatron_linears_take_torchs_gemm_where_they_communicate_nothing(
+    single_process_group, kind
+):
+    """At one tensor-parallel rank compat's linears compute torch's F.linear instead of
+    megatron's GEMM function (the keywords megatron hands `_forward_impl` say there is
+    nothing to communicate): the same output and gradients as megatron's own linear."""
+    from belief_lm.model.gpt import transformer_config
+    from tests.models import tiny_model
+
+    config = transformer_config(tiny_model("softmax"))
+    plain, ours = (
+        (ColumnParallelLinear, compat.ColumnGemm) if kind == "column"
+        else (RowParallelLinear, compat.RowGemm)
+    )  # fmt: skip
+    options = {"config": config, "init_method": config.init_method, "bias": True}
+    options |= {"gather_output": False} if kind == "column" else {"input_is_parallel": True}
+    layers = [cls(32, 48, skip_bias_add=False, **options) for cls in (plain, ours)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(5, 2, 32)
+    outputs, gemms = [], []
+    for layer in layers:
+        with torch.profiler.profile() as profile:
+            out, _ = layer(x.clone().requires_grad_())
+            out.square().sum().backward()
+        outputs.append([out, layer.weight.grad, layer.bias.grad])
+        gemms.append(any("LinearWithGradAccumulation" in e.name for e in profile.events()))
+    assert gemms == [True, False], "megatron's GEMM function no longer runs where expected"
+    for theirs, mine in zip(*outputs, strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
 def test_megatron_linears_put_empty_extra_state_into_state_dicts(single_process_group):
     from belief_lm.model.gpt import BeliefLM
     from tests.models import tiny_model

@@ -52,7 +52,7 @@ from torch.profiler import record_function
 
 from belief_lm import compat
 from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, documents, rotary_angles
-from belief_lm.compat import ColumnLinear, RowLinear
+from belief_lm.compat import ColumnGemm, ColumnLinear, RowGemm, RowLinear
 from belief_lm.config import ModelConfig
 from belief_lm.errors import BadInput
 from belief_lm.model.attention_layer import (
@@ -119,9 +119,11 @@ def decoder_layer_spec(cfg: ModelConfig, recompute: str = "none") -> ModuleSpec:
         cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.compile == "projections",
         recompute=recompute == "selective",
     )  # fmt: skip
-    if cfg.compile == "layer":  # megatron's own otherwise: its private call is overridden
-        attention.linear_proj = spec.submodules.mlp.submodules.linear_fc2 = RowLinear
-        attention.linear_qkv = spec.submodules.mlp.submodules.linear_fc1 = ColumnLinear
+    mlp = spec.submodules.mlp.submodules
+    # megatron's linears with torch's GEMM where it communicates nothing (compat.ColumnGemm)
+    row, column = (RowLinear, ColumnLinear) if cfg.compile == "layer" else (RowGemm, ColumnGemm)
+    attention.linear_proj = mlp.linear_fc2 = row
+    attention.linear_qkv = mlp.linear_fc1 = column
     if cfg.variant.extra_projection:
         fused = cfg.fused_output_projection
         attention.linear_proj = ModuleSpec(module=BeliefStarProjection, params={"fused": fused})
