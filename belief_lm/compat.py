@@ -55,6 +55,13 @@ def scale_in_place(tensors: list[Tensor], factor: float) -> None:
     torch._foreach_mul_(tensors, factor)
 
 
+def norms(tensors: list[Tensor]) -> list[Tensor]:
+    """The 2-norm of each of `tensors`, one multi-tensor kernel per device and dtype:
+    torch's `_foreach_norm`, the pass torch.nn.utils.get_total_norm makes (whose total
+    alone it returns)."""
+    return list(torch._foreach_norm(tensors)) if tensors else []
+
+
 def record_memory_history(max_entries: int) -> None:
     """Record the CUDA caching allocator's events from now on, keeping the newest
     `max_entries` (torch.cuda.memory's _record_memory_history, the API documented with
@@ -121,19 +128,51 @@ def failed_collective(
 # megatron-core ---------------------------------------------------------------------------
 
 
-class RowLinear(RowParallelLinear):
-    """megatron's RowParallelLinear, handing its GEMM (the private `_forward_impl`) the
-    layer's own tensor-parallel group: megatron hands it None, which is looked up again and
-    warned about (a deprecation) on every call, and a Python warning is a graph break under
-    torch.compile (model.compile=layer). The group is unused there (no gradient all-reduce
-    in a row layer's GEMM), so the computation is the same."""
+class _TorchGemmWhereLocal:
+    """A megatron linear whose GEMM is torch's F.linear wherever it has nothing to
+    communicate: no all-reduce of the input's gradient (allreduce_dgrad: one
+    tensor-parallel rank, or a row-parallel layer), no sequence-parallel all-gather, no
+    fused or deferred weight-gradient accumulation; the same product otherwise.
+
+    megatron computes the GEMM in its own autograd function (the private `_forward_impl`:
+    linear_with_grad_accumulation_and_async_allreduce, megatron/core/tensor_parallel/
+    layers.py), whose backward forms the weight's gradient as grad_output^T x input and
+    adds the bias apart from the product: on the shared CPU one 4096x768->3072 linear's
+    forward and backward took 1.25x torch's (alternating, a loaded machine:
+    docs/benchmarks.md). Megatron keeps its function where it communicates."""
+
+    def _forward_impl(self, input: Tensor, weight: Tensor, *args, **kwargs) -> Tensor:
+        communicates = kwargs.get("allreduce_dgrad") or kwargs.get("sequence_parallel")
+        accumulates = kwargs.get("gradient_accumulation_fusion")
+        deferred = kwargs.get("grad_output_buffer") is not None
+        if args or communicates or accumulates or deferred or not weight.requires_grad:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return torch.nn.functional.linear(input, weight, kwargs.get("bias"))
+
+
+class ColumnGemm(_TorchGemmWhereLocal, ColumnParallelLinear):
+    """megatron's ColumnParallelLinear with torch's GEMM where it communicates nothing (at
+    one tensor-parallel rank): _TorchGemmWhereLocal."""
+
+
+class RowGemm(_TorchGemmWhereLocal, RowParallelLinear):
+    """megatron's RowParallelLinear with torch's GEMM (its GEMM never communicates: the
+    all-reduce or reduce-scatter of its output follows it): _TorchGemmWhereLocal."""
+
+
+class RowLinear(RowGemm):
+    """RowGemm, handing megatron's GEMM (the private `_forward_impl`, where it still runs)
+    the layer's own tensor-parallel group: megatron hands it None, which is looked up again
+    and warned about (a deprecation) on every call, and a Python warning is a graph break
+    under torch.compile (model.compile=layer). The group is unused there (no gradient
+    all-reduce in a row layer's GEMM), so the computation is the same."""
 
     def _forward_impl(self, *args, **kwargs) -> Tensor:
         return super()._forward_impl(*args, **{**kwargs, "tp_group": self.tp_group})
 
 
-class ColumnLinear(ColumnParallelLinear):
-    """megatron's ColumnParallelLinear with its input's gradient summed over the
+class ColumnLinear(ColumnGemm):
+    """ColumnGemm with its input's gradient summed over the
     tensor-parallel ranks by a plain all-reduce (copy_to_tensor_model_parallel_region, as
     megatron does with its `allreduce_dgrad` attribute off) instead of the asynchronous one
     megatron starts inside its GEMM's backward: torch.compile cannot trace that one's

@@ -4,6 +4,7 @@ between GPU sessions), and the real thing, shortened, where there is a GPU."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -101,6 +102,26 @@ def test_smoke_paper_mode_projects_from_the_measured_rate(tmp_path):
         assert projection["what"].startswith("PROJECTED") and projection["gpus"] == gpus
         hours = projection["full_run_tokens"] / (run["tokens_per_s"] * gpus) / 3600
         assert projection["hours"] == pytest.approx(hours)
+
+
+def test_smoke_overhead_against_plain_pytorch(tmp_path):
+    """--overhead: bench/step_overhead.py's comparison in bf16 (the CPU's bf16 here):
+    both loops step, learn a language model of the vocabulary, and their ratio is kept."""
+    result = bench(
+        tmp_path, "--smoke", "--overhead", "--models", "gpt2-124m", "llama-188m",
+        "--attentions", "softmax", "belief_star",
+    )  # fmt: skip
+    runs = result["runs"]
+    assert [(r["model"], r["attention"]) for r in runs] == [
+        (m, a) for m in ("gpt2-124m", "llama-188m") for a in ("softmax", "belief_star")
+    ]
+    for run in runs:
+        assert run["precision"] == "bf16" and run["micro_batch"] == 2, run
+        for loop in ("plain", "belief_lm"):
+            times, losses = run[loop]["step_times_s"], run[loop]["losses"]
+            assert len(times) == 2 and len(losses) == 3 and min(times) > 0
+            assert losses[0] == pytest.approx(math.log(512), abs=0.15)  # SMOKE_SHAPE's vocab
+        assert run["ratio"] == run["belief_lm"]["median_step_s"] / run["plain"]["median_step_s"]
 
 
 def test_micro_batch_search():
