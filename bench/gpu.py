@@ -172,6 +172,10 @@ def parse_args() -> argparse.Namespace:
         "--overhead", action="store_true", help="belief-lm's step against plain PyTorch instead"
     )
     parser.add_argument("--overhead-micro-batch", type=int, help="(default 8; smoke 2)")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="STEPS",
+        help="--overhead: also profile STEPS steps of each loop (CPU time by phase, top ops)",
+    )  # fmt: skip
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--attentions", nargs="+", default=ATTENTIONS, choices=list(VARIANTS))
     parser.add_argument(
@@ -673,7 +677,7 @@ def overhead_runs(bench: Bench, grid) -> None:
         try:
             shape = SMOKE_SHAPE if args.smoke else []
             cfg = comparison_config(MODELS[preset], shape, attention, "bf16", micro_batch)
-            entry |= side_by_side(cfg, grid, bench.device, args.warmup, args.steps)
+            entry |= side_by_side(cfg, grid, bench.device, args.warmup, args.steps, args.profile)
             print(f"{preset} {attention}: plain {entry['plain']['median_step_s']:.4f} s, "
                   f"belief-lm {entry['belief_lm']['median_step_s']:.4f} s, "
                   f"x{entry['ratio']:.3f}", flush=True)  # fmt: skip

@@ -20,11 +20,11 @@ RUN_KEYS = {"model", "attention", "fused", "micro_batch", "tokens_per_s", "tflop
 RUN_KEYS |= {"peak_memory_gb", "ratio_to_softmax"}
 
 
-def bench(tmp_path, *arguments: str, timeout: float = 600) -> dict:
+def bench(tmp_path, *arguments: str, timeout: float = 600, accelerator: str = "cpu") -> dict:
     out = tmp_path / "result.json"
     command = [sys.executable, "bench/gpu.py", "--out", str(out), *arguments]
     # job_env: without the rendezvous variables this test process may have exported
-    run = run_job(command, timeout, cwd=ROOT, env=job_env())
+    run = run_job(command, timeout, cwd=ROOT, env=job_env({"DS_ACCELERATOR": accelerator}))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["command"].endswith(" ".join(command[1:]))
@@ -168,7 +168,7 @@ def test_on_the_gpu_shortened(tmp_path):
     result = bench(
         tmp_path, "--models", "gpt2-124m", "--attentions", "softmax", "belief",
         "--option", "plain=", "--steps", "2", "--warmup", "1", "--max-micro-batch", "2",
-        "--check-steps", "10",
+        "--check-steps", "10", accelerator="cuda",
     )  # fmt: skip
     checks = result["correctness"]
     assert checks["process_group"]["backend"] == "nccl"
