@@ -260,7 +260,19 @@ def side_by_side(cfg: Config, grid: ProcessGrid, device: torch.device, warmup: i
     return out
 
 
-def profiled(step: Callable[[], Tensor], steps: int, top: int = 12) -> dict:
+NO_KERNEL = {
+    f"aten::{name}"
+    for name in (
+        "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "slice", "select",
+        "narrow", "split", "split_with_sizes", "chunk", "unbind", "expand", "as_strided",
+        "unsqueeze", "squeeze", "detach", "alias", "lift_fresh", "empty", "empty_like",
+        "empty_strided", "resize_", "set_", "is_nonzero", "result_type",
+    )
+}  # fmt: skip
+"""Leaf ops that launch no kernel on a GPU (views, allocations, metadata)."""
+
+
+def profiled(step: Callable[[], Tensor], steps: int, top: int = 20) -> dict:
     """Per step: the CPU time under each phase label, the step's whole time, and the top
     ops by self CPU time (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -276,9 +288,16 @@ def profiled(step: Callable[[], Tensor], steps: int, top: int = 12) -> dict:
         (e for e in averages if e.key not in {"step", *PHASES} and not e.key.startswith("[")),
         key=lambda e: e.self_cpu_time_total, reverse=True,
     )  # fmt: skip
+    leaves = [
+        e for e in prof.events()
+        if e.name.startswith("aten::") and not e.cpu_children and e.name not in NO_KERNEL
+    ]  # fmt: skip
     return {
         "step_s": whole,
         "phases_s": phases,
+        # ops that do the work (no aten op under them): on a GPU about one kernel launch
+        # each, views aside, so the host's launch count measured on the CPU
+        "leaf_ops": len(leaves) // steps,
         "top_ops": [
             {"op": e.key, "self_s": e.self_cpu_time_total / 1e6 / steps, "calls": e.count // steps}
             for e in ops[:top]

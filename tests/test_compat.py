@@ -139,6 +139,19 @@ def test_deepspeed_lists_the_shm_op_it_may_build():
     )
 
 
+def test_deepspeed_zero_overflow_check_goes_through_the_pass_we_replace():
+    """compat.one_pass_overflow_check replaces ZeRO-1/2's per-tensor pass by instance
+    attribute: its has_overflow must call it through `self`, over `averaged_gradients` of
+    each of `bit16_groups` (the behaviour: tests/train/test_engine.py's bf16 skip test)."""
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero
+
+    assert "self.has_overflow_partitioned_grads_serial()" in inspect.getsource(Zero.has_overflow)
+    serial = inspect.getsource(Zero.has_overflow_partitioned_grads_serial)
+    assert "self.averaged_gradients[i]" in serial and "len(self.bit16_groups)" in serial
+
+
 def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_group):
     """ZeRO-0 in fp32: our optimizer clips before its update and hands the norm over;
     the engine's get_global_grad_norm() must be that norm."""

@@ -245,6 +245,11 @@ def build_trainee(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=None if pipelined else groups,
     )  # fmt: skip
+    if bf16:
+        # DeepSpeed's bf16 optimizers skip a step with a non-finite gradient as a whole
+        # (ZeRO steps each parameter group apart, so our optimizer's own guard could not),
+        # but check each tensor with a dozen kernels: one pass instead
+        compat.one_pass_overflow_check(engine.optimizer)
     if pipelined and cfg.model.attention_mask == "document":
         engine.set_has_attention_mask(True)  # stages hand on (hidden, document ends: bool)
     alone = engine.dp_world_size == 1 and cfg.parallel.zero_stage == 0 and not pipelined

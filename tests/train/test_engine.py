@@ -142,3 +142,43 @@ def test_zero0_clips_once_and_reports_the_norm_before(single_process_group):
     trainee.train_step(iter([unequal_step()]))
     assert trainee.engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-4)
     trainee.engine.destroy()
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_bf16_nonfinite_step_is_skipped_whole_after_one_pass(single_process_group, zero_stage):
+    """In bf16 at ZeRO-0/1/2 a step with a NaN or an infinite gradient in one tensor is
+    skipped as a whole (every parameter group: ZeRO steps them apart), found by our one
+    multi-tensor pass (compat.one_pass_overflow_check) rather than DeepSpeed's dozen
+    kernels per tensor; the next finite step updates (the weights it moves by more than
+    bf16 resolves: not a norm's weights of 1.0 at ZeRO-0)."""
+    from bench.common import bench_trainee
+
+    cfg = load_config(
+        ROOT / MICRO,
+        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch_size=4",
+         "train.global_batch_size=4", f"parallel.zero_stage={zero_stage}",
+         "train.precision=bf16"],
+    )  # fmt: skip
+    trainee = bench_trainee(cfg, single_process_group, VOCAB, torch.device("cpu"))
+    engine, per_tensor = trainee.engine, []
+    checker = getattr(engine.optimizer, "overflow_checker", engine.optimizer)  # ZeRO-0's
+    checker._has_inf_or_nan = lambda *a: per_tensor.append(a)  # DeepSpeed's own, per tensor
+    poison = [1.0]
+    last = list(engine.module.parameters())[-1]  # in the no-decay group, stepped last
+    last.register_hook(lambda grad: grad * poison[0])
+
+    def step(factor: float) -> tuple[bool, list[bool]]:
+        poison[0] = factor
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        done = trainee.train_step(iter([unequal_step()]))
+        after = engine.module.parameters()
+        return done.nonfinite, [not torch.equal(b, p) for b, p in zip(before, after, strict=True)]
+
+    step(1.0)  # (the warm-up's first step, at a learning rate of nearly 0)
+    for factor in (float("nan"), float("inf")):
+        nonfinite, changed = step(factor)
+        assert nonfinite and not any(changed), factor
+    nonfinite, changed = step(1.0)
+    assert not nonfinite and sum(changed) > len(changed) // 2
+    assert per_tensor == []
+    engine.destroy()
