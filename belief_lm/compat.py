@@ -24,10 +24,11 @@ sequence parallelism the device its collectives allocate on and its RNG tracker'
 (`megatron_collectives_on_host`, `untracked_dropout_rng`).
 
 DeepSpeed: where its engine takes a step's gradient norm from, its bf16 optimizers'
-overflow checks (replaced by one multi-tensor pass), which C++ ops it may build
-on a CPU, the names of its checkpoint files (which consolidate.py reads directly), the
-classes it pickles into them, and its own `torch.load` calls (which pass
-weights_only=False), routed through belief-lm's weights-only loader.
+overflow checks and ZeRO-1/2's gradient norm (each replaced by one multi-tensor pass),
+which C++ ops it may build on a CPU, the names of its checkpoint files (which
+consolidate.py reads directly), the classes it pickles into them, and its own
+`torch.load` calls (which pass weights_only=False), routed through belief-lm's
+weights-only loader.
 """
 
 from __future__ import annotations
@@ -311,6 +312,45 @@ def one_pass_overflow_check(optimizer) -> None:
             return bool(grads) and bool(any_nonfinite(grads))
 
         optimizer.overflow_checker.has_overflow_serial = serial
+
+
+def one_pass_grad_norm(zero_optimizer) -> None:
+    """Make ZeRO-1/2's gradient norm (`get_grad_norm_direct`: for clipping, the overflow
+    verdict in fp32 and the engine's reported norm) one multi-tensor pass over this rank's
+    partition instead of a cast and a norm per gradient (2 kernels per tensor), by
+    DeepSpeed's own rules, which its source must still show (tests/test_compat.py): its
+    padding left out, a pipeline-replicated weight counted on no stage, a weight that
+    tensor parallelism does not split counted on model-parallel rank 0 only, the squares
+    summed over data then model parallelism, an infinite or NaN norm reported as -1. Norms
+    of another order take DeepSpeed's path."""
+    from deepspeed import comm
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace as mask_invalid
+
+    zero, deepspeeds = zero_optimizer, zero_optimizer.get_grad_norm_direct
+
+    def get_grad_norm_direct(gradients, params, norm_type=2) -> Tensor:
+        if float(norm_type) != 2.0:
+            return deepspeeds(gradients, params, norm_type)
+        unpadded = (g for g in gradients if not getattr(g, "_zero_padding", False))
+        counted = [
+            g
+            for g, p in zip(unpadded, params)  # noqa: B905 (DeepSpeed's pairing)
+            if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
+            and (is_model_parallel_parameter(p) or zero.model_parallel_rank == 0)
+        ]
+        squares = torch.zeros((), dtype=torch.float32, device=zero.device)
+        if counted:
+            squares = torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32))
+            squares = squares.square().sum()
+        comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=zero.dp_process_group)
+        zero._model_parallel_all_reduce(tensor=squares, op=comm.ReduceOp.SUM)
+        total = squares.sqrt()
+        mask_invalid(total, device=zero.device)
+        return total
+
+    zero_optimizer.get_grad_norm_direct = get_grad_norm_direct
 
 
 def disable_shm_comm() -> None:

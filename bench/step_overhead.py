@@ -44,6 +44,10 @@ from belief_lm.train.optim import LRSchedule, adamw_kernel, param_groups
 from bench.common import bench_trainee, write_result
 
 TWO_LAYERS = ["model.vocab_size=4096", "model.num_layers=2"]
+NARROW = [
+    "model.hidden_size=64", "model.num_attention_heads=8", "model.ffn_hidden_size=128",
+    "model.seq_length=32", "model.vocab_size=512",
+]  # fmt: skip
 PRESETS = {
     # name: (model config, overrides, micro-batch): the issue's shapes (vocabulary 4096);
     # gpt2 and llama at 2 of their 12 layers (on this CPU a whole step is 12+ s), their
@@ -51,6 +55,9 @@ PRESETS = {
     "gpt2-124m": ("configs/model/gpt2-124m.yaml", TWO_LAYERS, 4),
     "tiny": ("configs/model/tiny.yaml", ["model.vocab_size=4096"], 16),
     "llama-188m": ("configs/model/llama-188m.yaml", TWO_LAYERS, 4),
+    # all 12 of gpt2's layers (its 148 weights and biases), narrow and short: the host's
+    # work per step (--profile's leaf ops, about a GPU's kernel launches), not its FLOPs
+    "gpt2-narrow": ("configs/model/gpt2-124m.yaml", NARROW, 2),
 }
 ATTENTIONS = ["softmax", "belief_star"]
 PHASES = ["forward", "loss", "backward", "clip", "guard", "optimizer"]
@@ -272,6 +279,20 @@ NO_KERNEL = {
 """Leaf ops that launch no kernel on a GPU (views, allocations, metadata)."""
 
 
+def launches_kernels(event) -> bool:
+    """Whether a profiled CPU op stands for kernel launches on a GPU: a leaf aten op that
+    is no view or allocation (NO_KERNEL), or a multi-tensor `_foreach_` op, one launch per
+    chunk of tensors on a GPU, which the CPU runs as one op per tensor (not counted)."""
+    if not event.name.startswith("aten::") or event.name in NO_KERNEL:
+        return False
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::_foreach_"):
+            return False
+        parent = parent.cpu_parent
+    return event.name.startswith("aten::_foreach_") or not event.cpu_children
+
+
 def profiled(step: Callable[[], Tensor], steps: int, top: int = 20) -> dict:
     """Per step: the CPU time under each phase label, the step's whole time, and the top
     ops by self CPU time (torch.profiler)."""
@@ -288,15 +309,11 @@ def profiled(step: Callable[[], Tensor], steps: int, top: int = 20) -> dict:
         (e for e in averages if e.key not in {"step", *PHASES} and not e.key.startswith("[")),
         key=lambda e: e.self_cpu_time_total, reverse=True,
     )  # fmt: skip
-    leaves = [
-        e for e in prof.events()
-        if e.name.startswith("aten::") and not e.cpu_children and e.name not in NO_KERNEL
-    ]  # fmt: skip
+    leaves = [e for e in prof.events() if launches_kernels(e)]
     return {
         "step_s": whole,
         "phases_s": phases,
-        # ops that do the work (no aten op under them): on a GPU about one kernel launch
-        # each, views aside, so the host's launch count measured on the CPU
+        # the ops that launch kernels on a GPU (launches_kernels), counted on the CPU
         "leaf_ops": len(leaves) // steps,
         "top_ops": [
             {"op": e.key, "self_s": e.self_cpu_time_total / 1e6 / steps, "calls": e.count // steps}
@@ -313,6 +330,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="timed steps of each loop")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also profile STEPS steps of each loop (phases, top ops)")  # fmt: skip
+    parser.add_argument(
+        "--precision", choices=["fp32", "bf16"], default="fp32",
+        help="bf16: DeepSpeed's bf16 engine against autocast, as on a GPU",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench/results/step_overhead_cpu.json")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = parser.parse_args()
@@ -324,7 +345,7 @@ def main() -> None:
         for attention in args.attentions:
             path, overrides, micro_batch = PRESETS[preset]
             overrides = [*overrides, *args.overrides]
-            cfg = comparison_config(path, overrides, attention, "fp32", micro_batch)
+            cfg = comparison_config(path, overrides, attention, args.precision, micro_batch)
             run = {"preset": preset, "attention": attention, "overrides": overrides}
             run["micro_batch"], run["seq_length"] = micro_batch, cfg.model.seq_length
             run |= side_by_side(cfg, grid, device, args.warmup, args.steps, args.profile)
@@ -335,7 +356,7 @@ def main() -> None:
     result = {
         "benchmark": "median step time, belief-lm's Trainee.train_step against a plain "
         "PyTorch loop of the same shapes, steps alternating",
-        "precision": "fp32",
+        "precision": args.precision,
         "warmup": args.warmup,
         "steps": args.steps,
         "threads": torch.get_num_threads(),

@@ -152,6 +152,29 @@ def test_deepspeed_zero_overflow_check_goes_through_the_pass_we_replace():
     assert "self.averaged_gradients[i]" in serial and "len(self.bit16_groups)" in serial
 
 
+def test_deepspeed_zero_grad_norm_keeps_the_rules_our_one_pass_copies():
+    """compat.one_pass_grad_norm reimplements ZeRO-1/2's get_grad_norm_direct (order 2):
+    its rules must still be DeepSpeed's, and scaled_global_norm must still call it through
+    `self` (our norm against DeepSpeed's on the same gradients: tests/train/test_engine.py;
+    at TP, PP and DP > 1: the equivalence tests, which clip)."""
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero
+
+    assert "self.get_grad_norm_direct(" in inspect.getsource(Zero.scaled_global_norm)
+    source = inspect.getsource(Zero.get_grad_norm_direct)
+    for rule in (
+        'getattr(g, "_zero_padding", False)',
+        "hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated",
+        "is_model_parallel_parameter(p) or (self.model_parallel_rank == 0)",
+        "torch.stack(all_norms).pow(norm_type).sum().float()",
+        "dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=self.dp_process_group)",
+        "self._model_parallel_all_reduce(tensor=total_norm, op=dist.ReduceOp.SUM)",
+        "mask_nan_or_inf_with_val_inplace(total_norm, device=self.device)",
+    ):
+        assert rule in source, f"DeepSpeed's get_grad_norm_direct changed: {rule}"
+
+
 def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_group):
     """ZeRO-0 in fp32: our optimizer clips before its update and hands the norm over;
     the engine's get_global_grad_norm() must be that norm."""

@@ -182,3 +182,35 @@ def test_bf16_nonfinite_step_is_skipped_whole_after_one_pass(single_process_grou
     assert not nonfinite and sum(changed) > len(changed) // 2
     assert per_tensor == []
     engine.destroy()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero_grad_norm_in_one_pass_is_deepspeeds(single_process_group, precision):
+    """ZeRO-1's gradient norm from one multi-tensor pass (compat.one_pass_grad_norm) is
+    the norm DeepSpeed's own per-tensor get_grad_norm_direct gives on the same gradients,
+    and the step clips by it (grad_clip below the norm)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from bench.common import bench_trainee
+
+    cfg = load_config(
+        ROOT / MICRO,
+        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch_size=4",
+         "train.global_batch_size=4", "parallel.zero_stage=1", f"train.precision={precision}",
+         "train.grad_clip=0.01"],
+    )  # fmt: skip
+    trainee = bench_trainee(cfg, single_process_group, VOCAB, torch.device("cpu"))
+    zero, norms = trainee.engine.optimizer, []
+    assert "get_grad_norm_direct" in vars(zero)  # ours, installed over DeepSpeed's
+    ours = zero.get_grad_norm_direct
+    deepspeeds = DeepSpeedZeroOptimizer.get_grad_norm_direct.__get__(zero)
+    zero.get_grad_norm_direct = lambda *a, **k: norms.append((ours(*a), deepspeeds(*a))) or (
+        norms[-1][0]
+    )  # fmt: skip
+    trainee.train_step(iter([unequal_step()]))
+    assert norms, "the step took no norm"
+    for mine, theirs in norms:
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=0)
+    reported = trainee.engine.get_global_grad_norm()
+    assert float(reported) > 10 * cfg.train.grad_clip  # so the step clipped
+    trainee.engine.destroy()
