@@ -9,7 +9,7 @@ torch.compile and Inductor); and sequence parallelism (parallel.sequence_paralle
 plain path, each fast path and each recompute mode. Saves each rank's loss and gradients
 of every path, and torch.compile's graph and graph-break counts of the compiled paths
 without and with sequence parallelism, to OUT.rank<r>. In the same job, for
-tests/test_plan.py's count of activations at TP=2: the bytes each rank's forward keeps at
+tests/test_plan.py's count of activations at TP=2: the bytes each rank's forward saves at
 one and two layers (ACTIVATION_CASES), with and without sequence parallelism."""
 
 import sys
