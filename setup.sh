@@ -213,6 +213,12 @@ if [[ ! -x "$VENV/bin/python" ]] && ! "$PYTHON" -m venv "${venv_options[@]}" "$V
   "$PYTHON" -m venv --without-pip "${venv_options[@]}" "$VENV"
 fi
 PY="$VENV/bin/python"
+if [[ $TORCH_VERSION == system ]]; then
+  # PYTHON may itself be a venv's (GPU images often keep torch in /opt/.../.venv): a venv
+  # made from it sees the base interpreter's packages, not that venv's. Point at them too.
+  "$PYTHON" -c "import site, sys; sys.prefix != sys.base_prefix and print('\n'.join(site.getsitepackages()))" \
+    > "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_system_packages.pth"
+fi
 LOG="$VENV/setup.log"  # what pip and the libraries say; shown only when a step fails
 : > "$LOG"
 pip_install() {

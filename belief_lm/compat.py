@@ -23,7 +23,8 @@ ColumnLinear, for torch.compile), the `_extra_state` entries of its state dicts,
 sequence parallelism the device its collectives allocate on and its RNG tracker's fork
 (`megatron_collectives_on_host`, `untracked_dropout_rng`).
 
-DeepSpeed: where its engine takes a step's gradient norm from, which C++ ops it may build
+DeepSpeed: where its engine takes a step's gradient norm from, its bf16 optimizers'
+overflow checks (replaced by one multi-tensor pass), which C++ ops it may build
 on a CPU, the names of its checkpoint files (which consolidate.py reads directly), the
 classes it pickles into them, and its own `torch.load` calls (which pass
 weights_only=False), routed through belief-lm's weights-only loader.
@@ -53,6 +54,13 @@ def scale_in_place(tensors: list[Tensor], factor: float) -> None:
     public clip_grads_with_norm_ would compute the factor in the gradients' dtype, not in
     float64 as DeepSpeed's clipping and ours do)."""
     torch._foreach_mul_(tensors, factor)
+
+
+def norms(tensors: list[Tensor]) -> list[Tensor]:
+    """The 2-norm of each of `tensors`, one multi-tensor kernel per device and dtype:
+    torch's `_foreach_norm`, the pass torch.nn.utils.get_total_norm makes (whose total
+    alone it returns)."""
+    return list(torch._foreach_norm(tensors)) if tensors else []
 
 
 def record_memory_history(max_entries: int) -> None:
@@ -121,19 +129,51 @@ def failed_collective(
 # megatron-core ---------------------------------------------------------------------------
 
 
-class RowLinear(RowParallelLinear):
-    """megatron's RowParallelLinear, handing its GEMM (the private `_forward_impl`) the
-    layer's own tensor-parallel group: megatron hands it None, which is looked up again and
-    warned about (a deprecation) on every call, and a Python warning is a graph break under
-    torch.compile (model.compile=layer). The group is unused there (no gradient all-reduce
-    in a row layer's GEMM), so the computation is the same."""
+class _TorchGemmWhereLocal:
+    """A megatron linear whose GEMM is torch's F.linear wherever it has nothing to
+    communicate: no all-reduce of the input's gradient (allreduce_dgrad: one
+    tensor-parallel rank, or a row-parallel layer), no sequence-parallel all-gather, no
+    fused or deferred weight-gradient accumulation; the same product otherwise.
+
+    megatron computes the GEMM in its own autograd function (the private `_forward_impl`:
+    linear_with_grad_accumulation_and_async_allreduce, megatron/core/tensor_parallel/
+    layers.py), whose backward forms the weight's gradient as grad_output^T x input and
+    adds the bias apart from the product: on the shared CPU one 4096x768->3072 linear's
+    forward and backward took 1.25x torch's (alternating, a loaded machine:
+    docs/benchmarks.md). Megatron keeps its function where it communicates."""
+
+    def _forward_impl(self, input: Tensor, weight: Tensor, *args, **kwargs) -> Tensor:
+        communicates = kwargs.get("allreduce_dgrad") or kwargs.get("sequence_parallel")
+        accumulates = kwargs.get("gradient_accumulation_fusion")
+        deferred = kwargs.get("grad_output_buffer") is not None
+        if args or communicates or accumulates or deferred or not weight.requires_grad:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return torch.nn.functional.linear(input, weight, kwargs.get("bias"))
+
+
+class ColumnGemm(_TorchGemmWhereLocal, ColumnParallelLinear):
+    """megatron's ColumnParallelLinear with torch's GEMM where it communicates nothing (at
+    one tensor-parallel rank): _TorchGemmWhereLocal."""
+
+
+class RowGemm(_TorchGemmWhereLocal, RowParallelLinear):
+    """megatron's RowParallelLinear with torch's GEMM (its GEMM never communicates: the
+    all-reduce or reduce-scatter of its output follows it): _TorchGemmWhereLocal."""
+
+
+class RowLinear(RowGemm):
+    """RowGemm, handing megatron's GEMM (the private `_forward_impl`, where it still runs)
+    the layer's own tensor-parallel group: megatron hands it None, which is looked up again
+    and warned about (a deprecation) on every call, and a Python warning is a graph break
+    under torch.compile (model.compile=layer). The group is unused there (no gradient
+    all-reduce in a row layer's GEMM), so the computation is the same."""
 
     def _forward_impl(self, *args, **kwargs) -> Tensor:
         return super()._forward_impl(*args, **{**kwargs, "tp_group": self.tp_group})
 
 
-class ColumnLinear(ColumnParallelLinear):
-    """megatron's ColumnParallelLinear with its input's gradient summed over the
+class ColumnLinear(ColumnGemm):
+    """ColumnGemm with its input's gradient summed over the
     tensor-parallel ranks by a plain all-reduce (copy_to_tensor_model_parallel_region, as
     megatron does with its `allreduce_dgrad` attribute off) instead of the asynchronous one
     megatron starts inside its GEMM's backward: torch.compile cannot trace that one's
@@ -227,6 +267,50 @@ def report_grad_norm(optimizer: torch.optim.Optimizer, norm: float) -> None:
     engine takes its get_global_grad_norm() from the optimizer's `_global_grad_norm` where
     it has one (its own clipping drops the norm at ZeRO-0 in fp32, so we clip ourselves)."""
     optimizer._global_grad_norm = norm
+
+
+def any_nonfinite(tensors: list[Tensor]) -> Tensor:
+    """Whether any of `tensors` holds a NaN or an infinity, as a one-element bool tensor on
+    their device, from one multi-tensor pass (`norms`): such a value makes its tensor's
+    norm NaN or infinite, as does a finite gradient too large for the norm's dtype (an
+    overflow too)."""
+    return torch.stack(norms(tensors)).isfinite().all().logical_not().reshape(1)
+
+
+def one_pass_overflow_check(optimizer) -> None:
+    """Make the overflow check of DeepSpeed's bf16/fp16 optimizer one pass over the
+    gradients; an optimizer of another kind is left alone. DeepSpeed checks each gradient
+    apart, with about a dozen kernels (amax, amin, isfinite, ...): 2,682 launches a step
+    against a plain loop's 546 at gpt2-124m on an H200 (docs/benchmarks.md).
+    - ZeRO-1/2 (`DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial`): over this
+      rank's partition of every group; a one-element bool tensor, as DeepSpeed's, which
+      its `has_overflow` all-reduces over data and model parallelism and reads (one sync).
+    - ZeRO-0 (`FP16_UnfusedOptimizer`, whose `CheckOverflow.has_overflow_serial` also reads
+      each tensor's verdict on the host: a sync per gradient): a Python bool, as there."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+
+        def partitioned(zero=optimizer) -> Tensor:
+            grads = [
+                grad
+                for group in range(len(zero.bit16_groups))
+                for grad in zero.averaged_gradients[group]
+                if grad is not None
+            ]
+            if not grads:
+                return torch.zeros(1, dtype=torch.bool, device=zero.device)
+            return any_nonfinite(grads)
+
+        optimizer.has_overflow_partitioned_grads_serial = partitioned
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):
+
+        def serial(params) -> bool:
+            grads = [p.grad for p in params if p.grad is not None]
+            return bool(grads) and bool(any_nonfinite(grads))
+
+        optimizer.overflow_checker.has_overflow_serial = serial
 
 
 def disable_shm_comm() -> None:

@@ -2,7 +2,8 @@
 
     python bench/gpu.py --out OUT.json        # on a GPU, within --time-limit (450 s)
     python bench/gpu.py --paper --out OUT.json  # the paper configs at one GPU's batch share
-    python bench/gpu.py --smoke [--paper]     # the same code on CPU at a tiny shape (CI)
+    python bench/gpu.py --overhead --out OUT.json  # belief-lm's step against plain PyTorch
+    python bench/gpu.py --smoke [--paper | --overhead]  # the same code on CPU, tiny (CI)
     torchrun --nproc_per_node=2 bench/gpu.py --tensor 2 \
         --option sequence_parallel --option no_sequence_parallel   # on 2 GPUs: TP=2
 
@@ -24,6 +25,12 @@ own `train_step`, on synthetic tokens (no data loading: the loader's workers run
 the GPU). Warm-up steps excluded, median step time of the rest; TFLOP/s and MFU from
 belief_lm.train.flops. The JSON is rewritten after every run, so a run cut short still
 leaves its results; a run that fails is recorded with its error and the exit code is 1.
+
+--overhead: bench/step_overhead.py's comparison in bf16 on the GPU: belief-lm's step
+(DeepSpeed's bf16 engine, as training builds it) against a plain PyTorch loop of the same
+shapes (autocast bf16 over fp32 weights, torch's AdamW, clip_grad_norm_), their steps
+alternating, at each model's shape (--models x --attentions, --overhead-micro-batch);
+median step times and their ratio (issue 35).
 
 --paper: 50 steps of each configs/paper/*.yaml at one GPU's share of its global batch
 (global / (nodes x GPUs), the same micro-batch and accumulation as one rank of the real
@@ -159,11 +166,14 @@ def main() -> None:
     grid = ProcessGrid.join(env, device, ParallelDims(env.world_size, args.tensor, 1))
     if args.out is None:
         name = "cpu_smoke" if args.smoke else slug(torch.cuda.get_device_name(device))
-        args.out = f"bench/results/gpu_{'paper_' if args.paper else ''}{name}.json"
+        mode = "paper_" if args.paper else "overhead_" if args.overhead else ""
+        args.out = f"bench/results/gpu_{mode}{name}.json"
     bench = Bench(args, device)
     bench.result |= libraries(device)
     if args.paper:
         paper_runs(bench, grid)
+    elif args.overhead:
+        overhead_runs(bench, grid)
     elif args.tensor > 1:  # one GPU's checks are the TP=1 run's
         bench.result["correctness"] = {"process_group": process_group(device, grid)}
         throughput(bench, grid)
@@ -184,6 +194,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", help="result JSON (default bench/results/gpu_<device>.json)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, few steps")
     parser.add_argument("--paper", action="store_true", help="the configs/paper runs instead")
+    parser.add_argument(
+        "--overhead", action="store_true", help="belief-lm's step against plain PyTorch instead"
+    )
+    parser.add_argument("--overhead-micro-batch", type=int, help="(default 8; smoke 2)")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="STEPS",
+        help="--overhead: also profile STEPS steps of each loop (CPU time by phase, top ops)",
+    )  # fmt: skip
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--attentions", nargs="+", default=ATTENTIONS, choices=list(VARIANTS))
     parser.add_argument(
@@ -214,11 +232,11 @@ def parse_args() -> argparse.Namespace:
         "--time-limit", type=float, default=450, help="seconds; later runs are skipped"
     )
     args = parser.parse_args()
-    if args.tensor > 1 and args.paper:
-        parser.error("--tensor: the throughput runs only (not --paper)")
+    if args.tensor > 1 and (args.paper or args.overhead):
+        parser.error("--tensor: the throughput runs only (not --paper or --overhead)")
     small = args.smoke
     defaults = {"steps": (10, 2), "warmup": (3, 1), "max_micro_batch": (128, 4)}
-    defaults |= {"check_steps": (50, 5), "paper_steps": (50, 4)}
+    defaults |= {"check_steps": (50, 5), "paper_steps": (50, 4), "overhead_micro_batch": (8, 2)}
     for key, (full, smoke) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, smoke if small else full)
@@ -700,12 +718,50 @@ def paper_run(bench: Bench, grid, path: str) -> dict:
     }
 
 
+# ---- belief-lm's step against a plain PyTorch loop ----------------------------------------
+
+
+def overhead_runs(bench: Bench, grid) -> None:
+    """bench/step_overhead.py's side-by-side steps in bf16 for each model and attention."""
+    from bench.step_overhead import comparison_config, side_by_side
+
+    args = bench.args
+    micro_batch = args.overhead_micro_batch
+    for preset, attention in itertools.product(args.models, args.attentions):
+        entry = {"model": preset, "attention": attention, "precision": "bf16"}
+        entry["micro_batch"] = micro_batch
+        bench.result["runs"].append(entry)
+        if bench.out_of_time():
+            entry["skipped"] = f"time limit ({args.time_limit:.0f} s) reached"
+            continue
+        try:
+            shape = SMOKE_SHAPE if args.smoke else []
+            cfg = comparison_config(MODELS[preset], shape, attention, "bf16", micro_batch)
+            entry |= side_by_side(cfg, grid, bench.device, args.warmup, args.steps, args.profile)
+            print(f"{preset} {attention}: plain {entry['plain']['median_step_s']:.4f} s, "
+                  f"belief-lm {entry['belief_lm']['median_step_s']:.4f} s, "
+                  f"x{entry['ratio']:.3f}", flush=True)  # fmt: skip
+        except Exception as err:
+            bench.record_error(entry, err)
+            release(None)
+        bench.save()
+
+
 # ---- report -----------------------------------------------------------------------------
 
 
 def markdown_table(result: dict) -> str:
     """The README's table: one row per run."""
-    if any("config" in r for r in result["runs"]):
+    if any("ratio" in r for r in result["runs"]):
+        head = "| model | attention | micro-batch | plain PyTorch s | belief-lm s | ratio |"
+        rows = [
+            f"| {r['model']} | {r['attention']} | {r['micro_batch']} | "
+            f"{r['plain']['median_step_s']:.4f} | {r['belief_lm']['median_step_s']:.4f} | "
+            f"{r['ratio']:.3f} |"
+            for r in result["runs"]
+            if "ratio" in r
+        ]
+    elif any("config" in r for r in result["runs"]):
         head = "| config | tokens/s (1 GPU) | TFLOP/s | MFU | peak memory GB | projected hours |"
         rows = [
             f"| {r['config']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "

@@ -36,7 +36,10 @@ def test_train_command(tmp_path, cache_dir):
     [
         (["model.atention=belief"], "model.atention: unknown key (did you mean 'attention'?)"),
         (["train.max_steps=0"], "train.max_steps = 0: Input should be greater than 0"),
-        (["parallel.tensor=3"], "world size 1 is not divisible by parallel.tensor (3)"),
+        (
+            ["parallel.tensor=3", "parallel.sequence_parallel=false"],
+            "world size 1 is not divisible by parallel.tensor (3)",
+        ),
     ],
 )
 def test_bad_config_exits_2_before_any_work(tmp_path, args, message):

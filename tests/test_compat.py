@@ -22,6 +22,13 @@ def test_torch_scales_a_list_of_tensors_in_place():
     assert tensors[0].tolist() == [0.5] * 3 and tensors[1].tolist() == [[1.5] * 2] * 2
 
 
+def test_torch_norms_each_tensor_of_a_list():
+    tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(2, dtype=torch.float64)]
+    found = compat.norms(tensors)
+    assert [n.item() for n in found] == pytest.approx([t.norm().item() for t in tensors])
+    assert [n.dtype for n in found] == [t.dtype for t in tensors] and compat.norms([]) == []
+
+
 def test_torch_records_and_dumps_the_allocator_history_as_profiling_calls_it():
     """compat.record_memory_history / dump_memory_history's calls, by their signatures (the
     calls themselves need a GPU: tests/train/test_profile.py's GPU test)."""
@@ -49,6 +56,38 @@ def test_megatron_column_linear_reads_allreduce_dgrad_at_forward():
     assert "self.allreduce_dgrad" in source, (
         "ColumnParallelLinear.forward no longer reads allreduce_dgrad: compat.ColumnLinear"
     )
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_megatron_linears_take_torchs_gemm_where_they_communicate_nothing(
+    single_process_group, kind
+):
+    """At one tensor-parallel rank compat's linears compute torch's F.linear instead of
+    megatron's GEMM function (the keywords megatron hands `_forward_impl` say there is
+    nothing to communicate): the same output and gradients as megatron's own linear."""
+    from belief_lm.model.gpt import transformer_config
+    from tests.models import tiny_model
+
+    config = transformer_config(tiny_model("softmax"))
+    plain, ours = (
+        (ColumnParallelLinear, compat.ColumnGemm) if kind == "column"
+        else (RowParallelLinear, compat.RowGemm)
+    )  # fmt: skip
+    options = {"config": config, "init_method": config.init_method, "bias": True}
+    options |= {"gather_output": False} if kind == "column" else {"input_is_parallel": True}
+    layers = [cls(32, 48, skip_bias_add=False, **options) for cls in (plain, ours)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(5, 2, 32)
+    outputs, gemms = [], []
+    for layer in layers:
+        with torch.profiler.profile() as profile:
+            out, _ = layer(x.clone().requires_grad_())
+            out.square().sum().backward()
+        outputs.append([out, layer.weight.grad, layer.bias.grad])
+        gemms.append(any("LinearWithGradAccumulation" in e.name for e in profile.events()))
+    assert gemms == [True, False], "megatron's GEMM function no longer runs where expected"
+    for theirs, mine in zip(*outputs, strict=True):
+        torch.testing.assert_close(mine, theirs)
 
 
 def test_megatron_linears_put_empty_extra_state_into_state_dicts(single_process_group):
@@ -100,8 +139,21 @@ def test_deepspeed_lists_the_shm_op_it_may_build():
     )
 
 
+def test_deepspeed_zero_overflow_check_goes_through_the_pass_we_replace():
+    """compat.one_pass_overflow_check replaces ZeRO-1/2's per-tensor pass by instance
+    attribute: its has_overflow must call it through `self`, over `averaged_gradients` of
+    each of `bit16_groups` (the behaviour: tests/train/test_engine.py's bf16 skip test)."""
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero
+
+    assert "self.has_overflow_partitioned_grads_serial()" in inspect.getsource(Zero.has_overflow)
+    serial = inspect.getsource(Zero.has_overflow_partitioned_grads_serial)
+    assert "self.averaged_gradients[i]" in serial and "len(self.bit16_groups)" in serial
+
+
 def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_group):
-    """ZeRO-0 in fp32: we clip in the optimizer's pre-step hook and hand the norm over;
+    """ZeRO-0 in fp32: our optimizer clips before its update and hands the norm over;
     the engine's get_global_grad_norm() must be that norm."""
     cfg = load_config(ROOT / MICRO, ["model.num_layers=1", "parallel.zero_stage=0"])
     trainee = trainee_for(cfg, single_process_group, 256)

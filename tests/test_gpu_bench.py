@@ -4,6 +4,7 @@ between GPU sessions), and the real thing, shortened, where there is a GPU."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -19,12 +20,14 @@ RUN_KEYS = {"model", "attention", "fused", "micro_batch", "tokens_per_s", "tflop
 RUN_KEYS |= {"peak_memory_gb", "ratio_to_softmax"}
 
 
-def bench(tmp_path, *arguments: str, timeout: float = 600, nproc: int = 1) -> dict:
+def bench(
+    tmp_path, *arguments: str, timeout: float = 600, nproc: int = 1, accelerator: str = "cpu"
+) -> dict:
     out = tmp_path / "result.json"
     script = ["bench/gpu.py", "--out", str(out), *arguments]
     command = [sys.executable, *script] if nproc == 1 else torchrun_command(nproc, *script)
     # job_env: without the rendezvous variables this test process may have exported
-    run = run_job(command, timeout, cwd=ROOT, env=job_env())
+    run = run_job(command, timeout, cwd=ROOT, env=job_env({"DS_ACCELERATOR": accelerator}))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["command"].endswith(" ".join(script))
@@ -128,6 +131,26 @@ def test_smoke_paper_mode_projects_from_the_measured_rate(tmp_path):
         assert projection["hours"] == pytest.approx(hours)
 
 
+def test_smoke_overhead_against_plain_pytorch(tmp_path):
+    """--overhead: bench/step_overhead.py's comparison in bf16 (the CPU's bf16 here):
+    both loops step, learn a language model of the vocabulary, and their ratio is kept."""
+    result = bench(
+        tmp_path, "--smoke", "--overhead", "--models", "gpt2-124m", "llama-188m",
+        "--attentions", "softmax", "belief_star",
+    )  # fmt: skip
+    runs = result["runs"]
+    assert [(r["model"], r["attention"]) for r in runs] == [
+        (m, a) for m in ("gpt2-124m", "llama-188m") for a in ("softmax", "belief_star")
+    ]
+    for run in runs:
+        assert run["precision"] == "bf16" and run["micro_batch"] == 2, run
+        for loop in ("plain", "belief_lm"):
+            times, losses = run[loop]["step_times_s"], run[loop]["losses"]
+            assert len(times) == 2 and len(losses) == 3 and min(times) > 0
+            assert losses[0] == pytest.approx(math.log(512), abs=0.15)  # SMOKE_SHAPE's vocab
+        assert run["ratio"] == run["belief_lm"]["median_step_s"] / run["plain"]["median_step_s"]
+
+
 def test_micro_batch_search():
     """Doubling while it fits, halving while not, then bisecting to within a quarter."""
     assert gpu.next_candidate(1, None, 128) == 2
@@ -172,7 +195,7 @@ def test_on_the_gpu_shortened(tmp_path):
     result = bench(
         tmp_path, "--models", "gpt2-124m", "--attentions", "softmax", "belief",
         "--option", "plain=", "--steps", "2", "--warmup", "1", "--max-micro-batch", "2",
-        "--check-steps", "10",
+        "--check-steps", "10", accelerator="cuda",
     )  # fmt: skip
     checks = result["correctness"]
     assert checks["process_group"]["backend"] == "nccl"

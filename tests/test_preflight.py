@@ -36,7 +36,11 @@ def test_the_chunked_loss_runs_in_a_pipeline():
 @pytest.mark.parametrize(
     ("world", "overrides", "message"),
     [
-        (4, ["parallel.tensor=3"], "world size 4 is not divisible by parallel.tensor (3)"),
+        (
+            4,
+            ["parallel.tensor=3", "parallel.sequence_parallel=false"],
+            "world size 4 is not divisible by parallel.tensor (3)",
+        ),
         (8, ["parallel.tensor=8"], "model.num_attention_heads (4) is not divisible by"),
         (4, ["parallel.tensor=4"], "query groups (num_query_groups) (2) is not divisible"),
         (2, ["train.micro_batch_size=16"], "must be a multiple of train.micro_batch_size (16)"),

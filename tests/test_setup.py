@@ -91,11 +91,14 @@ def download_wheels(wheels: Path, env: dict, *options: str) -> list[str]:
     return names
 
 
-def install_offline_and_train(wheels: Path, python: str, system: str, tmp: Path, env: dict):
-    """A fresh venv from `python` over the torch on `system` (PYTHONPATH), installed from
-    `wheels` alone, trains 5 steps offline; the offline environment and the venv."""
+def install_offline_and_train(
+    wheels: Path, python: str, system: str, tmp: Path, env: dict, on_path: bool = True
+):
+    """A fresh venv from `python` over the torch in `system` (site-packages: on PYTHONPATH,
+    or `python`'s own when `on_path` is false), installed from `wheels` alone, trains 5
+    steps offline; the offline environment and the venv."""
     venv, run_dir = tmp / "venv", tmp / "run"
-    offline = {**env, "PYTHONPATH": system}
+    offline = {**env, "PYTHONPATH": system} if on_path else env
     out = run(
         ["bash", "setup.sh", "--wheelhouse", str(wheels)],
         {**offline, "PYTHON": python, "VENV": str(venv)},
@@ -174,7 +177,7 @@ def test_a_wheelhouse_for_the_gpu_image_installs_over_its_torch(tmp_path_factory
     tmp = tmp_path_factory.mktemp("image")
     try:
         env = setup_env()
-        image = tmp / "image"  # the image's Python, its packages on PYTHONPATH as site-packages
+        image = tmp / "image"  # the image's Python: a venv holding torch, as /opt/torch/.venv
         run([python, "-m", "venv", str(image)], env, timeout=120)
         packages = [f"torch=={IMAGE_TORCH}", *IMAGE_PACKAGES]
         run([str(image / "bin/pip"), "install", "-q", *packages], env, timeout=900)
@@ -192,7 +195,9 @@ def test_a_wheelhouse_for_the_gpu_image_installs_over_its_torch(tmp_path_factory
         listing = (wheels / "wheelhouse.txt").read_text()
         assert float(re.search(r"wheels, ([\d.]+) MiB", listing).group(1)) < 60, listing
 
-        offline, venv = install_offline_and_train(wheels, python, site, tmp, env)
+        # the venv's own python, as on the H200: a venv made from it must still see its torch
+        image_python = str(image / "bin/python")
+        offline, venv = install_offline_and_train(wheels, image_python, site, tmp, env, False)
         smoke = tmp / "smoke.json"
         subset = ["--models", "gpt2-124m", "--attentions", "softmax", "belief_star"]
         command = [str(venv / "bin/python"), "bench/gpu.py", "--smoke", "--out", str(smoke)]

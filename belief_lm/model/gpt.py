@@ -48,10 +48,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
+from torch.profiler import record_function
 
 from belief_lm import compat
 from belief_lm.attention import DecodeCache, DecodeStep, LayerCache, documents, rotary_angles
-from belief_lm.compat import ColumnLinear, RowLinear
+from belief_lm.compat import ColumnGemm, ColumnLinear, RowGemm, RowLinear
 from belief_lm.config import ModelConfig
 from belief_lm.errors import BadInput
 from belief_lm.model.attention_layer import (
@@ -118,9 +119,11 @@ def decoder_layer_spec(cfg: ModelConfig, recompute: str = "none") -> ModuleSpec:
         cfg.attention, cfg.gamma, cfg.beta, cfg.head_scales, fused=cfg.compile == "projections",
         recompute=recompute == "selective",
     )  # fmt: skip
-    if cfg.compile == "layer":  # megatron's own otherwise: its private call is overridden
-        attention.linear_proj = spec.submodules.mlp.submodules.linear_fc2 = RowLinear
-        attention.linear_qkv = spec.submodules.mlp.submodules.linear_fc1 = ColumnLinear
+    mlp = spec.submodules.mlp.submodules
+    # megatron's linears with torch's GEMM where it communicates nothing (compat.ColumnGemm)
+    row, column = (RowLinear, ColumnLinear) if cfg.compile == "layer" else (RowGemm, ColumnGemm)
+    attention.linear_proj = mlp.linear_fc2 = row
+    attention.linear_qkv = mlp.linear_fc1 = column
     if cfg.variant.extra_projection:
         fused = cfg.fused_output_projection
         attention.linear_proj = ModuleSpec(module=BeliefStarProjection, params={"fused": fused})
@@ -457,19 +460,21 @@ class BeliefLM(MegatronModule):
         """Logits [seq, batch, vocab / TP], or the mean loss when labels are given (its
         gradient the objective's, with the z-loss). With a `cache` (from `decode_cache`),
         `tokens` continue what it holds, and are added to it."""
-        if cache is None:
-            hidden = self.embedding(tokens)
-            for layer in self.layers:
-                hidden = layer(hidden)
-        else:
-            if self.config.sequence_parallel:
-                raise ValueError("decoding with a cache needs sequence parallelism off")
-            hidden = self._decode(tokens, cache)
+        with record_function("forward"):  # a phase of a profiled step
+            if cache is None:
+                hidden = self.embedding(tokens)
+                for layer in self.layers:
+                    hidden = layer(hidden)
+            else:
+                if self.config.sequence_parallel:
+                    raise ValueError("decoding with a cache needs sequence parallelism off")
+                hidden = self._decode(tokens, cache)
+            hidden = self.final_norm(hidden)
         tied = self.embedding.word_embeddings.weight if self.model_config.tie_embeddings else None
-        hidden = self.final_norm(hidden)
         if labels is None:
             return self.output_layer(hidden, tied)
-        loss, self.last_z_loss = self.output_layer(hidden, tied, labels)
+        with record_function("loss"):
+            loss, self.last_z_loss = self.output_layer(hidden, tied, labels)
         return loss
 
     def get_additional_losses(self) -> dict[str, Tensor] | None:

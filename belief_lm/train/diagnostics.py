@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from belief_lm.attention import global_orthogonal_residual
 from belief_lm.model.attention_layer import CAPTURE
 from belief_lm.model.gpt import DecoderLayer
+from belief_lm.parallel.collectives import TensorParallelPlace
 from belief_lm.train import layer_signals
 
 
@@ -30,15 +31,15 @@ def belief_diagnostics(engine, tokens: torch.Tensor, labels: torch.Tensor, pipel
     inputs: dict[int, torch.Tensor] = {}
     output_rms: dict[int, float] = {}
 
-    def keep_output(module, args, output):
-        output_rms[module.layer_number] = float(output.detach().float().square().mean().sqrt())
+    def keep_input(module, args):
+        inputs[module.layer_number] = _whole_sequence(module, _hidden(args[0]))
 
-    hooks = [
-        layer.register_forward_pre_hook(
-            lambda module, args: inputs.__setitem__(module.layer_number, args[0].detach())
-        )
-        for layer in layers
-    ] + [layer.register_forward_hook(keep_output) for layer in layers]
+    def keep_output(module, args, output):
+        whole = _whole_sequence(module, _hidden(output)).float()
+        output_rms[module.layer_number] = float(whole.square().mean().sqrt())
+
+    hooks = [layer.register_forward_pre_hook(keep_input) for layer in layers]
+    hooks += [layer.register_forward_hook(keep_output) for layer in layers]
     captured: dict[int, dict] = {}  # layer number: its MH and V
     scope = CAPTURE.set(captured)
     was_training = engine.module.training
@@ -63,6 +64,23 @@ def belief_diagnostics(engine, tokens: torch.Tensor, labels: torch.Tensor, pipel
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     return layer_signals.merge(gathered)
+
+
+def _hidden(value: torch.Tensor | tuple) -> torch.Tensor:
+    """The hidden states of what a layer takes or returns ((hidden, document ends) under
+    model.attention_mask=document)."""
+    return (value[0] if isinstance(value, tuple) else value).detach()
+
+
+def _whole_sequence(layer: DecoderLayer, hidden: torch.Tensor) -> torch.Tensor:
+    """`hidden` [seq, batch, hidden] of the whole sequence: under sequence parallelism a
+    layer's input and output are this rank's [seq / TP, ...], gathered here over TP."""
+    if not layer.config.sequence_parallel:
+        return hidden
+    place = TensorParallelPlace.here()
+    parts = [torch.empty_like(hidden) for _ in range(place.size)]
+    dist.all_gather(parts, hidden.contiguous(), group=place.group)
+    return torch.cat(parts)
 
 
 def _layer_stats(layer: DecoderLayer, x: torch.Tensor, mh: torch.Tensor, v: torch.Tensor) -> dict:

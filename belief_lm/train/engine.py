@@ -19,11 +19,13 @@ labels, then weigh each token like a full batch's.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from belief_lm import compat
 from belief_lm.config import Config
@@ -101,6 +103,12 @@ class Trainee:
     parameters: int
     """Whole-model parameter count (all ranks)."""
     pipelined: bool
+    reduces_gradients: bool = True
+    """Whether DeepSpeed's engine reduces the gradients over data parallelism after the
+    last backward of a step. Not at ZeRO-0 without a data-parallel peer (`alone`): there
+    DeepSpeed would still flatten every gradient into one buffer, scale it by 1, all-reduce
+    it over a group of one and copy it back (DeepSpeedEngine.allreduce_gradients ->
+    buffered_allreduce_fallback), three passes over the gradients that change no bit."""
     before_update: Callable[[], object] | None = None
     """Called once the step's gradients are complete, before `screen` and the update (per-
     layer gradient norms: belief_lm/train/layer_signals.py); not with a pipeline."""
@@ -131,7 +139,8 @@ class Trainee:
         total, check, reported = None, None, {}
         for micro, ((tokens, labels), weight) in enumerate(zip(batches, weights, strict=True)):
             loss = engine(tokens, labels) * weight
-            engine.backward(loss)  # DeepSpeed divides by the accumulation steps
+            with record_function("backward"), self._reduction():
+                engine.backward(loss)  # DeepSpeed divides by the accumulation steps
             total = loss.detach() if total is None else total + loss.detach()
             for name, value in (engine.module.get_additional_losses() or {}).items():
                 reported[name] = reported.get(name, 0) + value * weight / accumulation
@@ -142,6 +151,12 @@ class Trainee:
             with optimizer.vetoing(check is not None and check.skip):
                 engine.step()  # optimizer + scheduler step only at the accumulation boundary
         return StepOutcome(total / accumulation, optimizer.take_update(), check, reported)
+
+    def _reduction(self) -> contextlib.AbstractContextManager:
+        """Where a backward runs: with DeepSpeed's gradient reduction, or without it
+        (engine.no_sync, DeepSpeed's own switch: ZeRO-0 only) where there is nothing to
+        reduce (`reduces_gradients`)."""
+        return contextlib.nullcontext() if self.reduces_gradients else self.engine.no_sync()
 
     def global_mean(self, loss: torch.Tensor) -> float:
         """This step's loss averaged over the global batch, on every rank (collective over
@@ -216,50 +231,62 @@ def build_trainee(
     for module in model.modules():
         module.register_state_dict_post_hook(compat.drop_empty_extra_state)
 
-    optimizer, scheduler = build_optimizer(model, cfg.train, device)
     ds_config = deepspeed_config(cfg, accumulation, bf16)
     ds_config["checkpoint"] = {"load_universal": load_universal}
     # a pipeline module carries DeepSpeed's grid, made from the topology
     groups = model.mpu() if pipelined else grid.mpu
+    clip = None
     if cfg.parallel.zero_stage == 0 and not bf16:
-        # Here DeepSpeed would clip but drop the norm; clip in a pre-step hook instead.
+        # Here DeepSpeed would clip but drop the norm; our optimizer clips instead.
         ds_config["gradient_clipping"] = 0.0
-        optimizer.register_step_pre_hook(_clip_and_record_norm(cfg.train.grad_clip, groups))
+        clip = ClipByGlobalNorm(cfg.train.grad_clip, groups)
+    optimizer, scheduler = build_optimizer(model, cfg.train, device, clip)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=None if pipelined else groups,
     )  # fmt: skip
+    if bf16:
+        # DeepSpeed's bf16 optimizers skip a step with a non-finite gradient as a whole
+        # (ZeRO steps each parameter group apart, so our optimizer's own guard could not),
+        # but check each tensor with a dozen kernels: one pass instead
+        compat.one_pass_overflow_check(engine.optimizer)
     if pipelined and cfg.model.attention_mask == "document":
         engine.set_has_attention_mask(True)  # stages hand on (hidden, document ends: bool)
-    return Trainee(engine, optimizer, grid, parameters, pipelined)
+    alone = engine.dp_world_size == 1 and cfg.parallel.zero_stage == 0 and not pipelined
+    return Trainee(engine, optimizer, grid, parameters, pipelined, reduces_gradients=not alone)
 
 
-def _clip_and_record_norm(max_norm: float, mpu):
-    """Optimizer pre-step hook: clip the (already data-parallel reduced) gradients by their
-    global norm and hand the pre-clip norm to DeepSpeed's engine for its
-    get_global_grad_norm() (compat.report_grad_norm). The clip coefficient is DeepSpeed's,
-    max_norm / (norm + 1e-6)."""
+@dataclass(frozen=True)
+class ClipByGlobalNorm:
+    """Clipping by the whole model's gradient norm, for GuardedAdamW to apply before its
+    update (`clip`) where DeepSpeed's own clipping would drop the norm (ZeRO-0 in fp32).
+    The coefficient is DeepSpeed's, max_norm / (norm + 1e-6)."""
 
-    def hook(optimizer, args, kwargs):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = global_grad_norm(params, mpu)
-        coefficient = max_norm / (norm + 1e-6)
-        if max_norm > 0 and coefficient < 1:
-            compat.scale_in_place([p.grad for p in params if p.grad is not None], coefficient)
-        compat.report_grad_norm(optimizer, norm)
+    max_norm: float
+    mpu: object
+    """Where the model-parallel peers are (DeepSpeed's mpu interface)."""
 
-    return hook
+    def clip(self, params: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> float:
+        """Scale the gradients of `params` (whose 2-norms are `norms`, one per parameter)
+        so that the whole model's norm is at most max_norm; returns that norm before
+        clipping (collective over the model-parallel group: a host-device sync)."""
+        norm = global_grad_norm(params, norms, self.mpu)
+        coefficient = self.max_norm / (norm + 1e-6)
+        if self.max_norm > 0 and coefficient < 1:
+            compat.scale_in_place([p.grad for p in params], coefficient)
+        return norm
 
 
-def global_grad_norm(params: list[torch.nn.Parameter], mpu) -> float:
-    """2-norm of the whole model's gradient: TP-replicated weights counted on TP rank 0
-    only, the output stage's copy of a tied embedding not at all, squares summed over the
-    model-parallel (TP x PP) group. DeepSpeed's own helpers each miss one of these rules."""
+def global_grad_norm(params: list[torch.nn.Parameter], norms: list[torch.Tensor], mpu) -> float:
+    """2-norm of the whole model's gradient from this rank's `params` and their gradients'
+    `norms`: TP-replicated weights counted on TP rank 0 only, the output stage's copy of a
+    tied embedding not at all, squares summed over the model-parallel (TP x PP) group.
+    DeepSpeed's own helpers each miss one of these rules."""
     tp_rank = mpu.get_tensor_model_parallel_rank()
-    grads = [p.grad for p in params if p.grad is not None and counted_once(p, tp_rank)]
-    device = grads[0].device if grads else torch.device("cpu")
+    counted = [n for p, n in zip(params, norms, strict=True) if counted_once(p, tp_rank)]
+    device = norms[0].device if norms else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        squares = torch.nn.utils.get_total_norm(grads).float().square()
+    if counted:  # torch.nn.utils.get_total_norm's sum of the same norms
+        squares = torch.linalg.vector_norm(torch.stack(counted)).float().square()
     torch.distributed.all_reduce(squares, group=mpu.get_model_parallel_group())
     return float(squares.sqrt())

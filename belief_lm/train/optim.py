@@ -7,10 +7,13 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
+from belief_lm import compat
 from belief_lm.config import TrainConfig
 
 
@@ -78,19 +81,35 @@ class Update:
         return self.nonfinite or self.vetoed
 
 
+class GradientClip(Protocol):
+    """How GuardedAdamW clips the gradients before an update (belief_lm.train.engine's
+    ClipByGlobalNorm: where DeepSpeed does not clip)."""
+
+    def clip(self, params: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> float:
+        """Clip the gradients of `params`, given their 2-norms; return the norm clipped by."""
+
+
 class GuardedAdamW(torch.optim.AdamW):
     """torch's AdamW that skips an update, on every rank together, when any rank holds a
     non-finite gradient (a non-finite loss makes its gradients non-finite) or any rank
-    steps it `vetoing`.
+    steps it `vetoing`; with `clip`, it clips the gradients first and hands the norm to
+    DeepSpeed's engine (its get_global_grad_norm(): compat.report_grad_norm).
 
     DeepSpeed calls step() on every rank at each optimizer step (ZeRO calls it on its flat
     fp32 partitions, once per parameter group), so the decision is one all-reduce of two
     flags over the world, after the gradients were reduced and before anything is
     updated. DeepSpeed drops what step() returns: `take_update` tells the caller instead.
+    The check and the clipping share one pass over the gradients (their per-tensor norms).
+
+    The clipping is part of step() rather than a step pre-hook: torch runs an optimizer's
+    hooks around every step() of a class it has patched, and AdamW.step (called here as
+    super().step()) is patched as soon as any plain AdamW exists in the process, which
+    would clip twice and report the clipped norm.
     """
 
-    def __init__(self, params, **adamw):
+    def __init__(self, params, clip: GradientClip | None = None, **adamw):
         super().__init__(params, **adamw)
+        self.clip = clip
         self._veto = False
         self._update: Update | None = None
 
@@ -114,17 +133,27 @@ class GuardedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        params = (p for group in self.param_groups for p in group["params"])
-        grads = [p.grad for p in params if p.grad is not None]
-        device = grads[0].device if grads else "cpu"
-        flags = torch.tensor([0.0, float(self._veto)], device=device)  # [non-finite, veto]
-        if grads:
-            flags[0] = torch.isfinite(torch.nn.utils.get_total_norm(grads)).logical_not()
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, vetoed = flags.tolist()  # host-device sync, once per optimizer step
-        self._update = Update(nonfinite=bool(nonfinite), vetoed=bool(vetoed))
-        return None if self._update.skipped else super().step(closure)
+        with record_function("guard"):  # a phase of a profiled step
+            params = [p for group in self.param_groups for p in group["params"]]
+            params = [p for p in params if p.grad is not None]
+            norms = compat.norms([p.grad for p in params])  # one pass over the gradients
+        if self.clip is not None:
+            with record_function("clip"):
+                compat.report_grad_norm(self, self.clip.clip(params, norms))
+        with record_function("guard"):
+            device = norms[0].device if norms else "cpu"
+            flags = torch.tensor([0.0, float(self._veto)], device=device)  # [non-finite, veto]
+            if norms:  # torch.nn.utils.get_total_norm of the gradients, finite or not
+                total = torch.linalg.vector_norm(torch.stack(norms))
+                flags[0] = torch.isfinite(total).logical_not()
+            if dist.is_initialized():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            nonfinite, vetoed = flags.tolist()  # host-device sync, once per optimizer step
+            self._update = Update(nonfinite=bool(nonfinite), vetoed=bool(vetoed))
+        if self._update.skipped:
+            return None
+        with record_function("optimizer"):
+            return super().step(closure)
 
 
 def adamw_kernel(kernel: str, device: torch.device) -> dict[str, bool]:
@@ -136,12 +165,16 @@ def adamw_kernel(kernel: str, device: torch.device) -> dict[str, bool]:
 
 
 def build_optimizer(
-    model: torch.nn.Module, train: TrainConfig, device: torch.device
+    model: torch.nn.Module,
+    train: TrainConfig,
+    device: torch.device,
+    clip: GradientClip | None = None,
 ) -> tuple[GuardedAdamW, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW (train.adamw_kernel) that skips non-finite and vetoed steps, and its LambdaLR
-    schedule (train.lr_schedule)."""
+    """AdamW (train.adamw_kernel) that skips non-finite and vetoed steps, clipping first
+    with `clip`, and its LambdaLR schedule (train.lr_schedule)."""
     optimizer = GuardedAdamW(
         param_groups(model, train.weight_decay),
+        clip,
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         eps=train.eps,

@@ -107,8 +107,9 @@ def test_a_silent_rank_ends_the_job_within_the_timeout(tmp_path, cache_dir):
 def test_a_silent_rank_found_by_its_tensor_parallel_peer(tmp_path, cache_dir):
     """TP2 x DP2: rank 1 stops itself in its first decoder layer's forward pass at step 4
     (tests/launcher/silent_rank), so its tensor-parallel peer, rank 0, waits for it in the
-    layer's tensor-parallel all-reduce; the data-parallel peers wait for both. The job ends
-    within the bound, the line names that all-reduce, its group and rank 1."""
+    layer's tensor-parallel collective (the all-gather of sequence parallelism, on by
+    default at TP > 1; the all-reduce without it); the data-parallel peers wait for both.
+    The job ends within the bound, the line names that collective, its group and rank 1."""
     run_dir, log = tmp_path / "run", tmp_path / "log"
     env = {"SILENT_RANK": "1", "SILENT_AT": "7", "PYTHONPATH": f"{SILENT_RANK}:{ROOT}"}
     job = launch(run_dir, log, 4, "parallel.tensor=2", "parallel.timeout_s=20",
@@ -120,7 +121,7 @@ def test_a_silent_rank_found_by_its_tensor_parallel_peer(tmp_path, cache_dir):
         time.sleep(0.1)
     assert_ends_naming(
         job, run_dir, log, ranks[1], 20,
-        r"all_reduce over the tensor-parallel group \(ranks 0-1\)",
+        r"(all_reduce|all_gather_into_tensor) over the tensor-parallel group \(ranks 0-1\)",
     )  # fmt: skip
 
 

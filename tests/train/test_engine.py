@@ -2,6 +2,8 @@
 mean over every label of the step, however its micro-batches split them (across
 data-parallel ranks too: tests/parallel/test_equivalence.py, the padded runs)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -84,3 +86,99 @@ def test_a_step_weighs_every_label_alike(single_process_group):
         assert step_grads.keys() == grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(step_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero0_alone_skips_deepspeeds_reduction_bit_for_bit(single_process_group, precision):
+    """At ZeRO-0 with one data-parallel rank there is nothing to reduce: DeepSpeed's
+    all-reduce of the gradients (flattened, scaled by 1, reduced over one rank, copied back)
+    is skipped, and 3 steps of 2 micro-batches leave the same losses and weights, bit for
+    bit, as with it (bf16: DeepSpeed's bf16 engine, on the CPU as bench_trainee builds it)."""
+    from bench.common import bench_trainee
+
+    cfg = load_config(
+        ROOT / MICRO,
+        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch_size=2",
+         "train.global_batch_size=4", "parallel.zero_stage=0", f"train.precision={precision}"],
+    )  # fmt: skip
+    tokens, labels = unequal_step()
+    runs = []
+    for reduces in (True, False):
+        trainee = bench_trainee(cfg, single_process_group, VOCAB, torch.device("cpu"))
+        assert not trainee.reduces_gradients  # what build_trainee decides here
+        trainee = dataclasses.replace(trainee, reduces_gradients=reduces)
+        engine, reductions = trainee.engine, []
+        fallback = engine.buffered_allreduce_fallback
+        engine.buffered_allreduce_fallback = lambda *a, _f=fallback, _r=reductions, **k: _r.append(
+            _f(*a, **k)
+        )
+        losses = []
+        for _ in range(3):
+            batches = zip(tokens.split(2), labels.split(2), strict=True)
+            losses.append(trainee.train_step(batches).loss.item())
+        assert len(reductions) == (3 if reduces else 0)
+        runs.append((losses, {n: p.detach().clone() for n, p in engine.module.named_parameters()}))
+        engine.destroy()
+    (reduced_losses, reduced), (losses, weights) = runs
+    assert losses == reduced_losses
+    assert all(torch.equal(weights[name], reduced[name]) for name in reduced)
+
+
+def test_zero0_clips_once_and_reports_the_norm_before(single_process_group):
+    """At ZeRO-0 in fp32 our optimizer clips (DeepSpeed would drop the norm): once, and the
+    engine reports the norm before clipping, also when a plain torch AdamW exists in the
+    process (making one patches AdamW.step, which our update calls, with torch's hook
+    runner: a clipping step pre-hook ran twice and reported the clipped norm)."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # patches AdamW.step
+    cfg = load_config(
+        ROOT / MICRO,
+        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch_size=4",
+         "train.global_batch_size=4", "parallel.zero_stage=0", "train.grad_clip=0.01"],
+    )  # fmt: skip
+    _, grads, _ = whole_batch(z_loss=0.0)
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+    assert norm > 10 * cfg.train.grad_clip
+    trainee = trainee_for(cfg, single_process_group, VOCAB)
+    trainee.train_step(iter([unequal_step()]))
+    assert trainee.engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-4)
+    trainee.engine.destroy()
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_bf16_nonfinite_step_is_skipped_whole_after_one_pass(single_process_group, zero_stage):
+    """In bf16 at ZeRO-0/1/2 a step with a NaN or an infinite gradient in one tensor is
+    skipped as a whole (every parameter group: ZeRO steps them apart), found by our one
+    multi-tensor pass (compat.one_pass_overflow_check) rather than DeepSpeed's dozen
+    kernels per tensor; the next finite step updates (the weights it moves by more than
+    bf16 resolves: not a norm's weights of 1.0 at ZeRO-0)."""
+    from bench.common import bench_trainee
+
+    cfg = load_config(
+        ROOT / MICRO,
+        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch_size=4",
+         "train.global_batch_size=4", f"parallel.zero_stage={zero_stage}",
+         "train.precision=bf16"],
+    )  # fmt: skip
+    trainee = bench_trainee(cfg, single_process_group, VOCAB, torch.device("cpu"))
+    engine, per_tensor = trainee.engine, []
+    checker = getattr(engine.optimizer, "overflow_checker", engine.optimizer)  # ZeRO-0's
+    checker._has_inf_or_nan = lambda *a: per_tensor.append(a)  # DeepSpeed's own, per tensor
+    poison = [1.0]
+    last = list(engine.module.parameters())[-1]  # in the no-decay group, stepped last
+    last.register_hook(lambda grad: grad * poison[0])
+
+    def step(factor: float) -> tuple[bool, list[bool]]:
+        poison[0] = factor
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        done = trainee.train_step(iter([unequal_step()]))
+        after = engine.module.parameters()
+        return done.nonfinite, [not torch.equal(b, p) for b, p in zip(before, after, strict=True)]
+
+    step(1.0)  # (the warm-up's first step, at a learning rate of nearly 0)
+    for factor in (float("nan"), float("inf")):
+        nonfinite, changed = step(factor)
+        assert nonfinite and not any(changed), factor
+    nonfinite, changed = step(1.0)
+    assert not nonfinite and sum(changed) > len(changed) // 2
+    assert per_tensor == []
+    engine.destroy()
