@@ -481,7 +481,8 @@ def step_time(
     a few vectors of the hidden size per layer, not counted); per step the gradient
     reduction over data parallelism (an all-reduce's volume; ZeRO-2 reduce-scatters every
     micro-batch, ZeRO-3 also gathers the weights for each forward and backward); the
-    stage boundaries' activations and their gradients. A collective within a node runs at
+    stage boundaries' activations and their gradients (with sequence parallelism each rank's
+    1/TP of the sequence). A collective within a node runs at
     machine.bandwidth_gbs, one across nodes at machine.inter_node_bandwidth_gbs.
     """
     model = cfg.model
@@ -522,7 +523,9 @@ def step_time(
     pp = 0.0
     if candidate.pipeline > 1:
         bandwidth = within if gpus <= per_node else across
-        pp = 2 * micro * activation / bandwidth
+        # with sequence parallelism each tensor-parallel rank sends its [s/t, b, h] part
+        boundary = activation / candidate.tensor if candidate.sequence_parallel else activation
+        pp = 2 * micro * boundary / bandwidth
     return compute, tp + dp + pp
 
 

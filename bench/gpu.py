@@ -4,6 +4,8 @@
     python bench/gpu.py --paper --out OUT.json  # the paper configs at one GPU's batch share
     python bench/gpu.py --overhead --out OUT.json  # belief-lm's step against plain PyTorch
     python bench/gpu.py --smoke [--paper | --overhead]  # the same code on CPU, tiny (CI)
+    torchrun --nproc_per_node=2 bench/gpu.py --tensor 2 \
+        --option sequence_parallel --option no_sequence_parallel   # on 2 GPUs: TP=2
 
 Correctness: 50 steps of `tiny` in bf16 against fp32 from the same weights and batches
 (loss within --loss-tolerance, relative, at every step; --smoke: 5 steps, in bf16 on the
@@ -34,6 +36,14 @@ median step times and their ratio (issue 35).
 (global / (nodes x GPUs), the same micro-batch and accumulation as one rank of the real
 run) on synthetic tokens; tokens/s and memory measured, the full run's time on its GPUs
 PROJECTED from that rate (perfect data-parallel scaling assumed; labelled as such).
+
+--tensor N (under torchrun, N ranks): the throughput runs at tensor parallelism N, one
+micro-batch (--max-micro-batch, no search: an out-of-memory on one rank would leave the
+others in a collective), step time and each rank's peak memory (the largest reported);
+of the correctness checks only the process group's (the others are one GPU's: run them
+without --tensor). The option sets sequence_parallel and no_sequence_parallel measure
+parallel.sequence_parallel on and off; each on-run records its peak memory and step time
+relative to the off-run's (issue 33; bench/memory.py measures the same on the CPU).
 """
 
 from __future__ import annotations
@@ -86,6 +96,9 @@ OPTION_SETS = {
     "foreach_adamw": ["train.adamw_kernel=foreach"],
     "documents": ["model.attention_mask=document"],  # on documents of DOCUMENT_TOKENS
     "documents_compiled": ["model.attention_mask=document", "model.compile=layer"],
+    # at --tensor > 1: the activations outside the tensor-parallel region split over it
+    "sequence_parallel": ["parallel.sequence_parallel=true"],
+    "no_sequence_parallel": ["parallel.sequence_parallel=false"],
 }
 """Named option sets, for `--option NAME`; each a list of config overrides."""
 DOCUMENT_END, DOCUMENT_TOKENS = 2, 256
@@ -121,7 +134,8 @@ class Bench:
         self.errors = 0
 
     def config(self, path: str, *overrides: str) -> Config:
-        return load_config(path, [*(SMOKE_SHAPE if self.args.smoke else []), *overrides])
+        shape = SMOKE_SHAPE if self.args.smoke else []
+        return load_config(path, [*shape, f"parallel.tensor={self.args.tensor}", *overrides])
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -131,7 +145,8 @@ class Bench:
 
     def save(self) -> None:
         self.result["elapsed_s"] = round(self.elapsed(), 1)
-        write_result(self.args.out, self.result, self.device)
+        if dist.get_rank() == 0:  # the ranks of --tensor agree (their peaks gathered)
+            write_result(self.args.out, self.result, self.device)
 
     def record_error(self, entry: dict, err: Exception) -> None:
         entry["error"] = f"{type(err).__name__}: {err}"
@@ -142,7 +157,13 @@ class Bench:
 def main() -> None:
     args = parse_args()
     device = select_device("cpu" if args.smoke else "cuda")
-    grid = ProcessGrid.join(detect(), device, ParallelDims(1, 1, 1))
+    env = detect()
+    if env.world_size != args.tensor:
+        raise SystemExit(
+            f"--tensor {args.tensor}: run under torchrun --nproc_per_node={args.tensor} "
+            f"(this world has {env.world_size} processes)"
+        )
+    grid = ProcessGrid.join(env, device, ParallelDims(env.world_size, args.tensor, 1))
     if args.out is None:
         name = "cpu_smoke" if args.smoke else slug(torch.cuda.get_device_name(device))
         mode = "paper_" if args.paper else "overhead_" if args.overhead else ""
@@ -153,13 +174,18 @@ def main() -> None:
         paper_runs(bench, grid)
     elif args.overhead:
         overhead_runs(bench, grid)
+    elif args.tensor > 1:  # one GPU's checks are the TP=1 run's
+        bench.result["correctness"] = {"process_group": process_group(device, grid)}
+        throughput(bench, grid)
     else:
         bench.result["correctness"] = correctness(bench, grid)
         bench.save()
         throughput(bench, grid)
     bench.save()
-    print(markdown_table(bench.result), flush=True)
-    print("wrote", args.out, f"({bench.elapsed():.0f} s)")
+    if dist.get_rank() == 0:
+        print(markdown_table(bench.result), flush=True)
+        print("wrote", args.out, f"({bench.elapsed():.0f} s)")
+    dist.barrier()  # no rank leaves while another still talks to it (gloo: peer closed)
     sys.exit(1 if bench.errors else 0)
 
 
@@ -186,6 +212,11 @@ def parse_args() -> argparse.Namespace:
         "config overrides it applies, comma-separated (repeat for several; default: "
         f"{' '.join(OPTIONS)})",
     )
+    parser.add_argument(
+        "--tensor", type=int, default=1,
+        help="tensor parallelism of the throughput runs (torchrun --nproc_per_node=N): one "
+        "micro-batch, --max-micro-batch, no search",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, help="timed steps per run (default 10; smoke 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 3; smoke 1)")
     parser.add_argument("--max-micro-batch", type=int, help="probe cap (default 128; smoke 4)")
@@ -201,6 +232,8 @@ def parse_args() -> argparse.Namespace:
         "--time-limit", type=float, default=450, help="seconds; later runs are skipped"
     )
     args = parser.parse_args()
+    if args.tensor > 1 and (args.paper or args.overhead):
+        parser.error("--tensor: the throughput runs only (not --paper or --overhead)")
     small = args.smoke
     defaults = {"steps": (10, 2), "warmup": (3, 1), "max_micro_batch": (128, 4)}
     defaults |= {"check_steps": (50, 5), "paper_steps": (50, 4), "overhead_micro_batch": (8, 2)}
@@ -477,6 +510,7 @@ def throughput(bench: Bench, grid) -> None:
             bench.record_error(entry, err)
             release(None)
         add_ratios(bench.result["runs"])
+        add_sequence_parallel_ratios(bench.result["runs"])
         bench.save()
 
 
@@ -499,6 +533,11 @@ def measure_largest(bench: Bench, grid, cfg_for, start: int) -> dict:
     engine), halve while they do not, then bisect between the last fit and the first miss
     to within a quarter; measure there. An engine that ran out of memory is not reused."""
     cap, device = bench.args.max_micro_batch, bench.device
+    if bench.args.tensor > 1:  # every rank must take the same steps: no search
+        trainee = trainee_of(cfg_for(cap), grid, device)
+        result = measure(bench, trainee, cfg_for(cap), cap)
+        release(trainee)
+        return result
     fits = misses = trainee = None
     candidate = start
     while candidate is not None:
@@ -562,10 +601,31 @@ def measure(bench: Bench, trainee, cfg: Config, micro_batch: int) -> dict:
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
         "mfu": tflops / peak if peak else None,
-        "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-        if device.type == "cuda"
-        else None,
+        "peak_memory_gb": peak_memory_gb(device),
     }
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    """The largest peak of allocated memory over the ranks (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    peak = torch.tensor(float(torch.cuda.max_memory_allocated(device)), device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return round(peak.item() / 1e9, 2)
+
+
+def add_sequence_parallel_ratios(runs: list[dict]) -> None:
+    """Each sequence_parallel run's step time and peak memory relative to the
+    no_sequence_parallel run of the same model and attention."""
+    off = {(r["model"], r["attention"]): r for r in runs
+           if r["option"] == "no_sequence_parallel" and "step_time_s" in r}  # fmt: skip
+    for r in runs:
+        base = off.get((r["model"], r["attention"]))
+        if r["option"] != "sequence_parallel" or "step_time_s" not in r or base is None:
+            continue
+        r["step_time_to_no_sequence_parallel"] = r["step_time_s"] / base["step_time_s"]
+        if r["peak_memory_gb"] is not None and base["peak_memory_gb"]:
+            r["peak_memory_to_no_sequence_parallel"] = r["peak_memory_gb"] / base["peak_memory_gb"]
 
 
 def add_ratios(runs: list[dict]) -> None:

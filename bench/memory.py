@@ -4,6 +4,9 @@ checked on the CPU allocator.
     python bench/memory.py                 # tiny, gpt2-124m, llama-188m: TP 1/2, ZeRO 0-3,
                                            # recompute none/selective/full (minutes)
     python bench/memory.py --models tiny   # a subset
+    python bench/memory.py --sequence-parallel  # gpt2-124m, llama-188m at sequence 1024,
+                                           # 2 layers: TP 2/4 with and without sequence
+                                           # parallelism (bench/results/memory_sp_cpu.json)
 
 Each case runs bench/memory_worker.py in a process (or torchrun job) of its own: the real
 engine (build_trainee) on random tokens, belief_star, fp32 (and bf16 for tiny: DeepSpeed's
@@ -16,6 +19,11 @@ optimizer state) and what its forward adds (activations). Predicted by belief_lm
 the same layout. Step time: the median of 3 steps after the profiled ones, against the
 planner's at this machine's measured matmul rate (MFU 1) and all-reduce bandwidth.
 Writes bench/results/memory_cpu.json.
+
+--sequence-parallel: the activations sequence parallelism saves (parallel.sequence_parallel,
+issue 33), at the presets' sequence length with 2 layers, micro-batch 1, ZeRO-0: each
+model at TP=2 and TP=4 with it on and off, and the ratio on/off of the activations the
+second step's forward adds (and of the peak) on the most loaded rank.
 """
 
 from __future__ import annotations
@@ -52,6 +60,61 @@ LARGER = {
                    (2, 1, 0, "none"), (2, 1, 1, "none"), (1, 1, 0, "selective")},
 }  # fmt: skip
 """(TP, DP, ZeRO, recompute) cases of the larger models."""
+
+SEQUENCE_PARALLEL_SHAPE = [
+    "model.seq_length=1024", "model.num_layers=2", "train.micro_batch_size=1",
+]  # fmt: skip
+"""--sequence-parallel's shape: the presets' sequence, few layers (minutes a case)."""
+
+
+def sequence_parallel_cases(models: list[str]) -> list[dict]:
+    """Each model (but tiny) at TP 2 and 4, sequence parallelism on and off."""
+    return [
+        {"model": model, "tensor": tensor, "pipeline": 1, "data": 1, "zero": 0,
+         "recompute": "none", "precision": "fp32", "sequence_parallel": on}
+        for model in models if model != "tiny" for tensor in (2, 4) for on in (True, False)
+    ]  # fmt: skip
+
+
+def sequence_parallel_ratios(results: list[dict]) -> list[dict]:
+    """Per model and TP: measured (and predicted) activations and peak, on / off."""
+    by_case = {}
+    for r in results:
+        c = r["case"]
+        by_case[c["model"], c["tensor"], c["sequence_parallel"]] = r
+    ratios = []
+    for (model, tensor, on), r in by_case.items():
+        off = by_case.get((model, tensor, False))
+        if not on or off is None:
+            continue
+        entry = {"model": model, "tensor": tensor}
+        for source in ("measured", "predicted"):
+            for key in ("activations", "peak"):
+                entry[f"{source}_{key}_on_mb"] = r[source][key] / 1e6
+                entry[f"{source}_{key}_off_mb"] = off[source][key] / 1e6
+                entry[f"{source}_{key}_ratio"] = r[source][key] / off[source][key]
+        entry["step_time_s_on"] = r["measured"]["step_time_s"]
+        entry["step_time_s_off"] = off["measured"]["step_time_s"]
+        ratios.append(entry)
+    return ratios
+
+
+def sequence_parallel_table(ratios: list[dict]) -> str:
+    """docs' table: activations and peak per rank, on and off, and their ratio."""
+    lines = [
+        "| model | TP | activations MB off | on | on/off | predicted on/off "
+        "| peak MB off | on | on/off | step s off | on |",
+        "|---" * 11 + "|",
+    ]
+    for e in ratios:
+        lines.append(
+            f"| {e['model']} | {e['tensor']} | {e['measured_activations_off_mb']:,.1f} "
+            f"| {e['measured_activations_on_mb']:,.1f} | {e['measured_activations_ratio']:.3f} "
+            f"| {e['predicted_activations_ratio']:.3f} | {e['measured_peak_off_mb']:,.0f} "
+            f"| {e['measured_peak_on_mb']:,.0f} | {e['measured_peak_ratio']:.3f} "
+            f"| {e['step_time_s_off']:.2f} | {e['step_time_s_on']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def cases(model: str) -> list[dict]:
@@ -92,10 +155,15 @@ def cases(model: str) -> list[dict]:
 
 
 def overrides(case: dict) -> list[str]:
-    micro = int(SHAPES[case["model"]][1].split("=")[1])
+    shape = SHAPES[case["model"]]
+    sequence_parallel = []
+    if "sequence_parallel" in case:
+        shape = SEQUENCE_PARALLEL_SHAPE
+        sequence_parallel = [f"parallel.sequence_parallel={str(case['sequence_parallel']).lower()}"]
+    micro = int(next(o for o in shape if o.startswith("train.micro")).split("=")[1])
     batch = micro * case["data"] * case.get("accumulation", 1)
     return [
-        *SHAPES[case["model"]], "model.attention=belief_star",
+        *shape, *sequence_parallel, "model.attention=belief_star",
         f"parallel.tensor={case['tensor']}", f"parallel.pipeline={case.get('pipeline', 1)}",
         f"parallel.zero_stage={case['zero']}",
         f"train.global_batch_size={batch}", "train.grad_clip=1.0",
@@ -105,12 +173,12 @@ def overrides(case: dict) -> list[str]:
     ]  # fmt: skip
 
 
-def measure(case: dict, tries: int = 2) -> list[dict]:
+def measure(case: dict, tries: int = 2, timed_steps: int = 3) -> list[dict]:
     """Run the worker for one case; every rank's record (a failed run is tried again: the
     machine this ran on is shared)."""
     nproc = case["tensor"] * case.get("pipeline", 1) * case["data"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore", "BENCH_TIMED_STEPS": "3"}  # fmt: skip
+           "PYTHONWARNINGS": "ignore", "BENCH_TIMED_STEPS": str(timed_steps)}  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -122,7 +190,7 @@ def measure(case: dict, tries: int = 2) -> list[dict]:
         if done.returncode and tries > 1:
             print(f"{case}: worker failed, trying again\n{done.stderr[-2000:]}", flush=True)
             time.sleep(30)
-            return measure(case, tries - 1)
+            return measure(case, tries - 1, timed_steps)
         if done.returncode:
             raise RuntimeError(f"{case}: worker failed\n{done.stderr[-4000:]}")
         return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
@@ -134,6 +202,7 @@ def predict(case: dict, measured: dict) -> dict:
     candidate = plan.Candidate(
         case["tensor"], case.get("pipeline", 1), case["data"], case["zero"],
         cfg.train.micro_batch_size, case["recompute"], case.get("accumulation", 1),
+        cfg.parallel.sequence_parallel_on,
     )  # fmt: skip
     bf16 = case["precision"] == "bf16"
     vocab = cfg.model.vocab_size
@@ -178,6 +247,8 @@ def row(result: dict) -> str:
     c, p, m = result["case"], result["predicted"], result["measured"]
     pipeline = f" PP{c['pipeline']}" if c.get("pipeline", 1) > 1 else ""
     layout = f"TP{c['tensor']}{pipeline} DP{c['data']} ZeRO-{c['zero']}"
+    if "sequence_parallel" in c:
+        layout += " SP" if c["sequence_parallel"] else " no SP"
     mb = 1e6
     if m["activations"] is None:  # pipelined: the peak only
         split = f"| {p['activations'] / mb:,.1f} | – | – | – "
@@ -205,34 +276,51 @@ HEADER = (
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--out", default="bench/results/memory_cpu.json")
+    parser.add_argument(
+        "--out",
+        help="default bench/results/memory_cpu.json (--sequence-parallel: memory_sp_cpu.json)",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="TP 2/4 with and without sequence parallelism at sequence 1024, 2 layers",
+    )
+    parser.add_argument("--timed-steps", type=int, default=3, help="steps timed per case")
     parser.add_argument(
         "--resume", action="store_true",
         help="keep the measurements --out already holds (predicted again), run the rest",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.out is None:
+        name = "memory_sp_cpu" if args.sequence_parallel else "memory_cpu"
+        args.out = f"bench/results/{name}.json"
     results = []
     if args.resume and Path(args.out).exists():
         results = json.loads(Path(args.out).read_text())["results"]
         for result in results:
             result["predicted"] = predict(result["case"], result["measured"])
-    for model in args.models:
-        for case in cases(model):
-            if any(r["case"] == case for r in results):
-                continue
-            ranks = measure(case)
-            actual = measured(ranks)
-            predicted = predict(case, actual)
-            results.append(
-                {"case": case, "overrides": overrides(case), "predicted": predicted,
-                 "measured": actual}
-            )  # fmt: skip
-            print(row(results[-1]), flush=True)
-            write(args.out, results)
+    if args.sequence_parallel:
+        todo = sequence_parallel_cases(args.models)
+    else:
+        todo = [case for model in args.models for case in cases(model)]
+    for case in todo:
+        if any(r["case"] == case for r in results):
+            continue
+        ranks = measure(case, timed_steps=args.timed_steps)
+        actual = measured(ranks)
+        predicted = predict(case, actual)
+        results.append(
+            {"case": case, "overrides": overrides(case), "predicted": predicted,
+             "measured": actual}
+        )  # fmt: skip
+        print(row(results[-1]), flush=True)
+        write(args.out, results)
     write(args.out, results)  # (with --resume alone: the predictions made again)
     print(HEADER)
     for result in results:
         print(row(result))
+    if args.sequence_parallel:
+        print(sequence_parallel_table(sequence_parallel_ratios(results)))
     errors = [abs(error(r["predicted"]["peak"], r["measured"]["peak"])) for r in results]
     print(f"largest peak error {max(errors):.1f}%; {sum(e > 15 for e in errors)} cases beyond 15%")
     print("wrote", args.out)
@@ -251,6 +339,9 @@ def write(path: str, results: list[dict]) -> None:
             "the CPU allocator (torch profiler), one process or torchrun job per case",
             "largest_peak_error_percent": max(errors),
             "cases_beyond_15_percent": sum(e > 15 for e in errors),
+            "sequence_parallel_ratios": sequence_parallel_ratios(
+                [r for r in results if "sequence_parallel" in r["case"]]
+            ),
             "results": results,
         },
         torch.device("cpu"),

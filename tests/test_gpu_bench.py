@@ -13,21 +13,24 @@ import torch
 
 from belief_lm.config import load_config
 from bench import gpu
-from tests.jobs import job_env, run_job
+from tests.jobs import job_env, run_job, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_KEYS = {"model", "attention", "fused", "micro_batch", "tokens_per_s", "tflops", "mfu"}
 RUN_KEYS |= {"peak_memory_gb", "ratio_to_softmax"}
 
 
-def bench(tmp_path, *arguments: str, timeout: float = 600, accelerator: str = "cpu") -> dict:
+def bench(
+    tmp_path, *arguments: str, timeout: float = 600, nproc: int = 1, accelerator: str = "cpu"
+) -> dict:
     out = tmp_path / "result.json"
-    command = [sys.executable, "bench/gpu.py", "--out", str(out), *arguments]
+    script = ["bench/gpu.py", "--out", str(out), *arguments]
+    command = [sys.executable, *script] if nproc == 1 else torchrun_command(nproc, *script)
     # job_env: without the rendezvous variables this test process may have exported
     run = run_job(command, timeout, cwd=ROOT, env=job_env({"DS_ACCELERATOR": accelerator}))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["command"].endswith(" ".join(command[1:]))
+    assert result["command"].endswith(" ".join(script))
     assert "| model |" in run.stdout or "| config |" in run.stdout  # the README's table
     return result
 
@@ -88,6 +91,30 @@ def test_smoke_named_option_sets(tmp_path):
     assert [r["fused"] for r in result["runs"]] == [True, True] + [False] * 6
     products = result["correctness"]["belief_inner_products"]["gpt2-124m"]
     assert products["fused"]["dtype"] == "float32" and products["pass"]
+
+
+@pytest.mark.slow
+def test_smoke_sequence_parallel_at_tp2(tmp_path):
+    """--tensor 2 under torchrun (gloo on the CPU, as NCCL on 2 GPUs): the option sets
+    sequence_parallel and no_sequence_parallel at one micro-batch, each on-run with its
+    step time relative to the off-run's (peak memory too on a GPU: none on the CPU)."""
+    result = bench(
+        tmp_path, "--smoke", "--tensor", "2", "--models", "llama-188m", "--attentions",
+        "softmax", "belief_star", "--option", "sequence_parallel", "--option",
+        "no_sequence_parallel", "--max-micro-batch", "2", nproc=2,
+    )  # fmt: skip
+    assert result["correctness"] == {"process_group": {
+        "backend": "gloo", "world_size": 2, "tensor_parallel": 2, "all_reduce_ok": True
+    }}  # fmt: skip
+    runs = result["runs"]
+    names = ("sequence_parallel", "no_sequence_parallel")
+    assert [(r["option"], r["attention"], r["micro_batch"]) for r in runs] == [
+        (name, attention, 2) for name in names for attention in ("softmax", "belief_star")
+    ]
+    assert [r["overrides"] for r in runs[::2]] == [gpu.OPTION_SETS[n] for n in names]
+    for on, off in zip(runs[:2], runs[2:], strict=True):
+        assert on["step_time_to_no_sequence_parallel"] == on["step_time_s"] / off["step_time_s"]
+        assert on["peak_memory_gb"] is None and "peak_memory_to_no_sequence_parallel" not in on
 
 
 @pytest.mark.slow

@@ -45,6 +45,14 @@ def probe(tokenizer: Tokenizer) -> torch.Tensor:
 
 
 @with_tasks
+def test_the_consumed_checkpoints_were_trained_with_sequence_parallelism(saved_layouts, name):
+    """What the tests below read: checkpoints trained with parallel.sequence_parallel on
+    (issue 33: evaluate, export, generate and its KV cache from such a checkpoint)."""
+    config = consolidate(checkpoint(saved_layouts[name])).config
+    assert config.parallel.tensor == 2 and config.parallel.sequence_parallel_on
+
+
+@with_tasks
 def test_evaluate_equals_the_training_layouts_validation_loss(saved_layouts, name, tmp_path):
     run = saved_layouts[name]
     (validated,) = [row for row in metrics(run) if "val_loss" in row]
@@ -104,11 +112,14 @@ def test_generate_continues_as_ours(saved_layouts, name, single_process_group):
                prompt, "--max-new-tokens", "12", "--temperature", "0")  # fmt: skip
     model, tokenizer = ours(saved_layouts[name])
     ids = tokenizer.encode(prompt)
-    new = generate(
-        model, ids, 12, Sampling(temperature=0), context_length=SEQ,
-        vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
-    )  # fmt: skip
-    assert done.stdout == tokenizer.decode(ids + new) + "\n"
+    settings = {"context_length": SEQ, "vocab_size": tokenizer.vocab_size}
+    settings["eos_id"] = tokenizer.eos_id
+    decoded = [
+        generate(model, ids, 12, Sampling(temperature=0), **settings, use_cache=cached)
+        for cached in (True, False)
+    ]
+    assert decoded[0] == decoded[1]  # the KV cache's continuation is the recomputed one
+    assert done.stdout == tokenizer.decode(ids + decoded[0]) + "\n"
 
 
 def bits_per_byte(model, tokenizer) -> float:

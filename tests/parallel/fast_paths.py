@@ -8,7 +8,9 @@ model.compile=layer (each decoder layer, its tensor-parallel collectives include
 torch.compile and Inductor); and sequence parallelism (parallel.sequence_parallel) with the
 plain path, each fast path and each recompute mode. Saves each rank's loss and gradients
 of every path, and torch.compile's graph and graph-break counts of the compiled paths
-without and with sequence parallelism, to OUT.rank<r>."""
+without and with sequence parallelism, to OUT.rank<r>. In the same job, for
+tests/test_plan.py's count of activations at TP=2: the bytes each rank's forward saves at
+one and two layers (ACTIVATION_CASES), with and without sequence parallelism."""
 
 import sys
 import warnings
@@ -19,7 +21,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
+from belief_lm.config import load_config  # noqa: E402
 from belief_lm.model.gpt import BeliefLM  # noqa: E402
+from belief_lm.variants import VARIANTS  # noqa: E402
 from tests.models import tiny_model  # noqa: E402
 from tests.parallel.driver import join  # noqa: E402
 
@@ -33,6 +37,36 @@ SEQUENCE_PARALLEL_PATHS |= {
 }
 """The same with sequence parallelism, and each recompute mode with it: name: (model
 options, train.loss_chunk_tokens[, train.activation_checkpointing])."""
+ACTIVATION_CASES = [
+    *((variant, "float32", True) for variant in VARIANTS),
+    *((variant, "float32", False) for variant in ("softmax", "belief_star")),
+    *((variant, "bfloat16", True) for variant in ("softmax", "belief_star")),
+]
+"""(variant, dtype, sequence parallelism) at tests/test_plan.py's small llama shape, each
+recompute mode: every variant with it, two without it and two in bf16."""
+
+
+def kept_at_tp2() -> dict:
+    """{(variant, dtype, sequence_parallel, layers, recompute): bytes this rank's forward
+    saves for backward} at TP=2 (tests/test_plan.py's saved_by_autograd)."""
+    from belief_lm.plan import RECOMPUTE_MODES
+    from tests.test_plan import BATCH, LLAMA, SEQ, SMALL, VOCAB, saved_by_autograd
+
+    rows = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    kept = {}
+    for variant, dtype, sequence_parallel in ACTIVATION_CASES:
+        for layers in (1, 2):
+            overrides = [*SMALL, *LLAMA, f"model.num_layers={layers}", f"model.attention={variant}"]
+            cfg = load_config("configs/model/tiny.yaml", overrides).model
+            for mode in RECOMPUTE_MODES:
+                model = BeliefLM(
+                    cfg, VOCAB, 2, recompute=mode, sequence_parallel=sequence_parallel
+                ).to(getattr(torch, dtype)).train()  # fmt: skip
+                with torch.no_grad():
+                    model(rows)  # RoPE's cached angles are made once, not per step
+                key = (variant, dtype, sequence_parallel, layers, mode)
+                kept[key] = saved_by_autograd(model, rows)
+    return kept
 
 
 def tokens() -> torch.Tensor:
@@ -62,7 +96,7 @@ def main() -> None:
     for name, (options, chunk, *recompute) in SEQUENCE_PARALLEL_PATHS.items():
         paths[name] = loss_and_grads(options, chunk, 2, *recompute, sequence_parallel=True)
     graphs.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
-    saved = {"paths": paths, "graphs_and_breaks": graphs}
+    saved = {"paths": paths, "graphs_and_breaks": graphs, "kept": kept_at_tp2()}
     torch.save(saved, f"{sys.argv[1]}.rank{dist.get_rank()}")
 
 

@@ -40,16 +40,24 @@ def test_bit_exact_resume_zero2_tp2_dp2(zero2_run, tmp_path, cache_dir):
 
 def test_resume_across_sequence_parallel(zero2_run, tmp_path, cache_dir):
     """zero2_run trains at TP=2 with sequence parallelism (the default there); its step-3
-    checkpoint resumes with it off at the same layout: it changes no weight or optimizer
-    state, so steps 4-6 give the same losses (up to the order of fp32 sums)."""
+    checkpoint resumes with it off at the same layout, and that run's step-4 checkpoint
+    (saved without it) resumes with it on again: it changes no weight or optimizer state,
+    so every step gives zero2_run's loss (up to the order of fp32 sums)."""
     run_dir, layout, losses = zero2_run
     step3 = run_dir / "checkpoints" / "step_000003"
-    off = "parallel.sequence_parallel=false"
-    resumed = train(4, tmp_path, cache_dir, *layout, off, f"checkpoint.resume={step3}")
+    off, on = "parallel.sequence_parallel=false", "parallel.sequence_parallel=true"
+    saved_off = tmp_path / "off"
+    resumed = train(
+        4, saved_off, cache_dir, *layout, off, "checkpoint.interval=1", "checkpoint.keep=3",
+        f"checkpoint.resume={step3}",
+    )  # fmt: skip
     assert list(resumed) == [4, 5, 6]
-    assert [resumed[s] for s in (4, 5, 6)] == pytest.approx(
-        [losses[s] for s in (4, 5, 6)], rel=1e-5
-    )
+    step4 = saved_off / "checkpoints" / "step_000004"
+    resumed_on = train(4, tmp_path / "on", cache_dir, *layout, on, f"checkpoint.resume={step4}")
+    assert list(resumed_on) == [5, 6]
+    expected = [losses[s] for s in (4, 5, 6)]
+    assert [resumed[s] for s in (4, 5, 6)] == pytest.approx(expected, rel=1e-5)
+    assert [resumed_on[s] for s in (5, 6)] == pytest.approx(expected[1:], rel=1e-5)
 
 
 def test_bit_exact_resume_tp2_pp2(tmp_path, cache_dir):
