@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from belief_lm import logs
 from belief_lm.config import Config, load_config
@@ -46,8 +47,23 @@ def add_trust(sub: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_branch(sub: argparse.ArgumentParser) -> None:
+    """--branch: start a new run from another run's checkpoint (train, launch)."""
+    sub.add_argument(
+        "--branch", metavar="CKPT",
+        help="start a new run (its own run.output_dir) from another run's checkpoint step "
+        "directory, continuing it as a resume would; the overrides may change the schedule "
+        "and what changes neither the model, the tokenizer nor the data order (sets "
+        "checkpoint.branch; without --config the checkpoint's config.yaml is the base)",
+    )  # fmt: skip
+
+
 def run_config(args: argparse.Namespace) -> Config:
-    """The run config that --config and the overrides give (ConfigError naming the key)."""
+    """The run config that --config and the overrides give (ConfigError naming the key);
+    with --branch and no --config, the branch checkpoint's own config.yaml (the parent's
+    effective config) is the base (and becomes args.config, for the ranks a launch starts)."""
+    if getattr(args, "branch", None) and args.config is None:
+        args.config = str(Path(args.branch).expanduser() / "config.yaml")
     return load_config(args.config, args.overrides)
 
 

@@ -7,7 +7,13 @@ import argparse
 import shlex
 
 from belief_lm import exit_codes
-from belief_lm.cli.arguments import AddCommand, add_config, quiet_libraries, run_config
+from belief_lm.cli.arguments import (
+    AddCommand,
+    add_branch,
+    add_config,
+    quiet_libraries,
+    run_config,
+)
 from belief_lm.parallel.env import free_port
 from belief_lm.preflight import preflight
 
@@ -23,6 +29,7 @@ def add_to(add: AddCommand) -> None:
         sub.add_argument(
             "--dry-run", action="store_true", help="print the command or script, run nothing"
         )
+        add_branch(sub)
         add_config(sub)
         sub.set_defaults(run=launch_job)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
 from belief_lm import exit_codes
 from belief_lm.cli.arguments import (
     AddCommand,
+    add_branch,
     add_config,
     add_trust,
     quiet_libraries,
@@ -22,13 +22,7 @@ def add_to(add: AddCommand) -> None:
         "--resume", metavar="auto|never|DIR",
         help="checkpoint to continue from (sets checkpoint.resume; default auto)",
     )  # fmt: skip
-    sub.add_argument(
-        "--branch", metavar="CKPT",
-        help="start a new run (its own run.output_dir) from another run's checkpoint step "
-        "directory, continuing it as a resume would; the overrides may change the schedule "
-        "and what changes neither the model, the tokenizer nor the data order (sets "
-        "checkpoint.branch; without --config the checkpoint's config.yaml is the base)",
-    )  # fmt: skip
+    add_branch(sub)
     add_trust(sub)
     add_config(sub)
     sub.set_defaults(run=train)
@@ -36,8 +30,6 @@ def add_to(add: AddCommand) -> None:
 
 def train(args: argparse.Namespace) -> int:
     """Train to train.max_steps; a run that stops early raises what ends it (cli.exits)."""
-    if args.branch and args.config is None:  # the parent's effective config, then overrides
-        args.config = str(Path(args.branch).expanduser() / "config.yaml")
     cfg = run_config(args)
     quiet_libraries()
     from belief_lm.train.signals import StopRequests

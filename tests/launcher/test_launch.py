@@ -264,3 +264,19 @@ def test_launch_local_stops_however_signalled_and_continues_like_one_process(tmp
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, max(trained) + 1))
     alone = train(tiny_config(*overrides, f"run.output_dir={tmp_path / 'alone'}"))
     assert trained == pytest.approx({s: alone.losses[s] for s in trained}, rel=1e-5)
+
+
+@pytest.mark.parametrize("target", ["local", "slurm"])
+def test_launch_branch_starts_ranks_from_the_checkpoints_config(
+    capsys, tmp_path, trained_checkpoint, target
+):
+    """`launch local|slurm --branch CKPT`: without --config the checkpoint's config.yaml is
+    the base (checked before anything starts), and every rank's `train` gets it with
+    checkpoint.branch and resume=auto."""
+    branch = [f"run.output_dir={tmp_path / 'branch'}", "train.max_steps=6"]
+    code = main(["launch", target, "--dry-run", "--branch", str(trained_checkpoint), *branch])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"--config {trained_checkpoint / 'config.yaml'}" in out
+    for override in (f"checkpoint.branch={trained_checkpoint}", "checkpoint.resume=auto", *branch):
+        assert override in out, override
