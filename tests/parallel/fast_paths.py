@@ -46,9 +46,10 @@ ACTIVATION_CASES = [
 recompute mode: every variant with it, two without it and two in bf16."""
 
 
-def kept_at_tp2() -> dict:
+def kept_at(tensor_parallel: int) -> dict:
     """{(variant, dtype, sequence_parallel, layers, recompute): bytes this rank's forward
-    saves for backward} at TP=2 (tests/test_plan.py's saved_by_autograd)."""
+    saves for backward} at TP=`tensor_parallel` (tests/test_plan.py's saved_by_autograd),
+    for ACTIVATION_CASES."""
     from belief_lm.plan import RECOMPUTE_MODES
     from tests.test_plan import BATCH, LLAMA, SEQ, SMALL, VOCAB, saved_by_autograd
 
@@ -60,7 +61,8 @@ def kept_at_tp2() -> dict:
             cfg = load_config("configs/model/tiny.yaml", overrides).model
             for mode in RECOMPUTE_MODES:
                 model = BeliefLM(
-                    cfg, VOCAB, 2, recompute=mode, sequence_parallel=sequence_parallel
+                    cfg, VOCAB, tensor_parallel, recompute=mode,
+                    sequence_parallel=sequence_parallel,
                 ).to(getattr(torch, dtype)).train()  # fmt: skip
                 with torch.no_grad():
                     model(rows)  # RoPE's cached angles are made once, not per step
@@ -96,7 +98,7 @@ def main() -> None:
     for name, (options, chunk, *recompute) in SEQUENCE_PARALLEL_PATHS.items():
         paths[name] = loss_and_grads(options, chunk, 2, *recompute, sequence_parallel=True)
     graphs.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
-    saved = {"paths": paths, "graphs_and_breaks": graphs, "kept": kept_at_tp2()}
+    saved = {"paths": paths, "graphs_and_breaks": graphs, "kept": kept_at(2)}
     torch.save(saved, f"{sys.argv[1]}.rank{dist.get_rank()}")
 
 

@@ -112,25 +112,46 @@ def test_plan_counts_activations_at_tp2(fast_paths_job):
     Counted from autograd's saved tensors (test_plan.saved_by_autograd: the allocator's
     count is not repeatable under gloo). Within 3% as at TP=1, Attention-SH's within 5%
     (its pooled keys and values are not modelled: with the rest split they weigh more)."""
+    assert_plan_counts(fast_paths_job, 2)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="at TP=4 (one KV group per rank at this shape) every layer keeps 64 elements a "
+    "token (h/TP) more than plan.layer_activations counts, with and without sequence "
+    "parallelism, in each recompute mode but full: 2.1-5.6% under; cause not found yet",
+)
+def test_plan_counts_activations_at_tp4(tmp_path):
+    """The same at TP=4 (its own job of 4 ranks: tests/parallel/activations_tp4.py)."""
+    out = tmp_path / "kept.pt"
+    result = torchrun(4, "tests/parallel/activations_tp4.py", str(out), timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_plan_counts([torch.load(f"{out}.rank{r}", weights_only=False) for r in range(4)], 4)
+
+
+def assert_plan_counts(jobs: list[dict], tensor_parallel: int) -> None:
+    """Each rank's measured bytes per token (`jobs[r]["kept"]`, fast_paths.kept_at) against
+    plan.layer_activations and plan.head_activations at `tensor_parallel`."""
     from belief_lm import plan
     from belief_lm.config import load_config
     from tests.test_plan import BATCH, CALIBRATED, LLAMA, SEQ, SMALL, VOCAB
 
     tokens = SEQ * BATCH
+    t = tensor_parallel
     for variant, dtype, sequence_parallel in fast_paths.ACTIVATION_CASES:
         if dtype == "bfloat16" and not CALIBRATED:
             continue  # bf16 activations before torch 2.9 are not modelled (test_plan)
         overrides = [*SMALL, *LLAMA, f"model.attention={variant}"]
         cfg = load_config("configs/model/tiny.yaml", overrides).model
         bf16 = dtype == "bfloat16"
-        for rank, saved in enumerate(fast_paths_job):
+        for rank, saved in enumerate(jobs):
             kept = saved["kept"]
             case = (variant, dtype, sequence_parallel)
             for mode in plan.RECOMPUTE_MODES:
                 measured = (kept[*case, 2, mode] - kept[*case, 1, mode]) / tokens
-                predicted = plan.layer_activations(cfg, 2, mode, bf16, sequence_parallel)
+                predicted = plan.layer_activations(cfg, t, mode, bf16, sequence_parallel)
                 tolerance = 0.05 if variant.startswith("attention_") and "sh" in variant else 0.03
-                assert predicted == pytest.approx(measured, rel=tolerance), (rank, case, mode)
+                assert predicted == pytest.approx(measured, rel=tolerance), (t, rank, case, mode)
             head = (2 * kept[*case, 1, "none"] - kept[*case, 2, "none"]) / tokens
-            predicted = plan.head_activations(cfg, VOCAB, 2, bf16, False, sequence_parallel)
-            assert predicted == pytest.approx(head, rel=0.03), (rank, case)
+            predicted = plan.head_activations(cfg, VOCAB, t, bf16, False, sequence_parallel)
+            assert predicted == pytest.approx(head, rel=0.03), (t, rank, case)
