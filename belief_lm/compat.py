@@ -57,11 +57,15 @@ def scale_in_place(tensors: list[Tensor], factor: float) -> None:
     torch._foreach_mul_(tensors, factor)
 
 
-def norms(tensors: list[Tensor]) -> list[Tensor]:
-    """The 2-norm of each of `tensors`, one multi-tensor kernel per device and dtype:
-    torch's `_foreach_norm`, the pass torch.nn.utils.get_total_norm makes (whose total
-    alone it returns)."""
-    return list(torch._foreach_norm(tensors)) if tensors else []
+def norms(tensors: list[Tensor], dtype: torch.dtype | None = None) -> list[Tensor]:
+    """The 2-norm of each of `tensors` (computed and returned in `dtype`, if given), one
+    multi-tensor kernel per device and dtype: torch's `_foreach_norm`, the pass
+    torch.nn.utils.get_total_norm makes (whose total alone it returns)."""
+    if not tensors:
+        return []
+    return list(
+        torch._foreach_norm(tensors, 2, dtype=dtype) if dtype else torch._foreach_norm(tensors)
+    )
 
 
 def record_memory_history(max_entries: int) -> None:
@@ -314,7 +318,7 @@ def one_pass_overflow_check(optimizer) -> None:
         optimizer.overflow_checker.has_overflow_serial = serial
 
 
-def one_pass_grad_norm(zero_optimizer) -> None:
+def one_pass_grad_norm(optimizer) -> None:
     """Make ZeRO-1/2's gradient norm (`get_grad_norm_direct`: for clipping, the overflow
     verdict in fp32 and the engine's reported norm) one multi-tensor pass over this rank's
     partition instead of a cast and a norm per gradient (2 kernels per tensor), by
@@ -322,13 +326,16 @@ def one_pass_grad_norm(zero_optimizer) -> None:
     padding left out, a pipeline-replicated weight counted on no stage, a weight that
     tensor parallelism does not split counted on model-parallel rank 0 only, the squares
     summed over data then model parallelism, an infinite or NaN norm reported as -1. Norms
-    of another order take DeepSpeed's path."""
+    of another order take DeepSpeed's path; an optimizer of another kind is left alone."""
     from deepspeed import comm
     from deepspeed.runtime.constants import PIPE_REPLICATED
     from deepspeed.runtime.utils import is_model_parallel_parameter
     from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace as mask_invalid
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    zero, deepspeeds = zero_optimizer, zero_optimizer.get_grad_norm_direct
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return
+    zero, deepspeeds = optimizer, optimizer.get_grad_norm_direct
 
     def get_grad_norm_direct(gradients, params, norm_type=2) -> Tensor:
         if float(norm_type) != 2.0:
@@ -342,15 +349,14 @@ def one_pass_grad_norm(zero_optimizer) -> None:
         ]
         squares = torch.zeros((), dtype=torch.float32, device=zero.device)
         if counted:
-            squares = torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32))
-            squares = squares.square().sum()
+            squares = torch.stack(norms(counted, torch.float32)).square().sum()
         comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=zero.dp_process_group)
         zero._model_parallel_all_reduce(tensor=squares, op=comm.ReduceOp.SUM)
         total = squares.sqrt()
         mask_invalid(total, device=zero.device)
         return total
 
-    zero_optimizer.get_grad_norm_direct = get_grad_norm_direct
+    zero.get_grad_norm_direct = get_grad_norm_direct
 
 
 def disable_shm_comm() -> None:

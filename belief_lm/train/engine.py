@@ -199,7 +199,6 @@ def build_trainee(
     (BeliefLM's names) to start from instead of the seeded init; `eos_id`: the tokenizer's
     EOS, where documents end under model.attention_mask=document."""
     import deepspeed  # imported after select_device set the accelerator
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from belief_lm.model.pipeline import build_pipeline, canonical_name
 
@@ -246,8 +245,7 @@ def build_trainee(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
         mpu=None if pipelined else groups,
     )  # fmt: skip
-    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):  # its norm: one pass too
-        compat.one_pass_grad_norm(engine.optimizer)
+    compat.one_pass_grad_norm(engine.optimizer)  # ZeRO-1/2's clipping norm
     if bf16:
         # DeepSpeed's bf16 optimizers skip a step with a non-finite gradient as a whole
         # (ZeRO steps each parameter group apart, so our optimizer's own guard could not),

@@ -29,11 +29,12 @@ def unequal_step() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
-def config(micro: int = 4, z_loss: float = 0.0):
+def config(micro: int = 4, z_loss: float = 0.0, *overrides: str):
+    """The micro config at SEQ and VOCAB, 4 sequences a step of `micro`, then `overrides`."""
     return load_config(
         ROOT / MICRO,
         [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", f"train.z_loss={z_loss}",
-         f"train.micro_batch_size={micro}", "train.global_batch_size=4"],
+         f"train.micro_batch_size={micro}", "train.global_batch_size=4", *overrides],
     )  # fmt: skip
 
 
@@ -96,11 +97,7 @@ def test_zero0_alone_skips_deepspeeds_reduction_bit_for_bit(single_process_group
     bit, as with it (bf16: DeepSpeed's bf16 engine, on the CPU as bench_trainee builds it)."""
     from bench.common import bench_trainee
 
-    cfg = load_config(
-        ROOT / MICRO,
-        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch_size=2",
-         "train.global_batch_size=4", "parallel.zero_stage=0", f"train.precision={precision}"],
-    )  # fmt: skip
+    cfg = config(2, 0.0, "parallel.zero_stage=0", f"train.precision={precision}")
     tokens, labels = unequal_step()
     runs = []
     for reduces in (True, False):
@@ -130,11 +127,7 @@ def test_zero0_clips_once_and_reports_the_norm_before(single_process_group):
     process (making one patches AdamW.step, which our update calls, with torch's hook
     runner: a clipping step pre-hook ran twice and reported the clipped norm)."""
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # patches AdamW.step
-    cfg = load_config(
-        ROOT / MICRO,
-        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch_size=4",
-         "train.global_batch_size=4", "parallel.zero_stage=0", "train.grad_clip=0.01"],
-    )  # fmt: skip
+    cfg = config(4, 0.0, "parallel.zero_stage=0", "train.grad_clip=0.01")
     _, grads, _ = whole_batch(z_loss=0.0)
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
     assert norm > 10 * cfg.train.grad_clip
@@ -153,12 +146,7 @@ def test_bf16_nonfinite_step_is_skipped_whole_after_one_pass(single_process_grou
     bf16 resolves: not a norm's weights of 1.0 at ZeRO-0)."""
     from bench.common import bench_trainee
 
-    cfg = load_config(
-        ROOT / MICRO,
-        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch_size=4",
-         "train.global_batch_size=4", f"parallel.zero_stage={zero_stage}",
-         "train.precision=bf16"],
-    )  # fmt: skip
+    cfg = config(4, 0.0, f"parallel.zero_stage={zero_stage}", "train.precision=bf16")
     trainee = bench_trainee(cfg, single_process_group, VOCAB, torch.device("cpu"))
     engine, per_tensor = trainee.engine, []
     checker = getattr(engine.optimizer, "overflow_checker", engine.optimizer)  # ZeRO-0's
@@ -193,12 +181,9 @@ def test_zero_grad_norm_in_one_pass_is_deepspeeds(single_process_group, precisio
 
     from bench.common import bench_trainee
 
-    cfg = load_config(
-        ROOT / MICRO,
-        [f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch_size=4",
-         "train.global_batch_size=4", "parallel.zero_stage=1", f"train.precision={precision}",
-         "train.grad_clip=0.01"],
-    )  # fmt: skip
+    cfg = config(
+        4, 0.0, "parallel.zero_stage=1", f"train.precision={precision}", "train.grad_clip=0.01"
+    )
     trainee = bench_trainee(cfg, single_process_group, VOCAB, torch.device("cpu"))
     zero, norms = trainee.engine.optimizer, []
     assert "get_grad_norm_direct" in vars(zero)  # ours, installed over DeepSpeed's
