@@ -59,11 +59,17 @@ def release_requeued(conf: Path, job_id: int, state: dict[str, str]) -> None:
     """Start a requeued job now: SLURM holds one for 2 minutes, which a test need not wait
     out. Only once its previous run has ended on every node (none still completing it,
     its batch script's end reported): that report could otherwise be taken for the new
-    run's."""
+    run's. And not in the second its previous run's credential was revoked: slurmd refuses
+    a credential made no later than the revocation, counted in whole seconds ("Job
+    credential revoked"), and the job then fails instead of starting (seen in CI)."""
     if state["JobState"] != "PENDING" or state.get("Reason") != "BeginTime":
         return
     if not slurm(conf, "sinfo", "--noheader", "--states=completing", "--format=%N").strip():
+        time.sleep(CREDENTIAL_CLOCK_SECONDS)
         slurm(conf, "scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+
+CREDENTIAL_CLOCK_SECONDS = 2  # more than slurmd's one-second resolution of revocation times
 
 
 def daemon_log(conf: Path, job_id: int) -> str:
