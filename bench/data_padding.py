@@ -1,11 +1,11 @@
 """What exact epochs cost on realistic document lengths: padding, tokens read twice, and
-how many documents feed each step.
+how many documents feed each step, epochs' turns included.
 
     python bench/data_padding.py      # -> bench/results/data_padding_cpu.json
 
-One epoch of each case, on 8 data-parallel ranks (4 at 4 readers) without loader workers,
-with data.open_documents=8 (the default; the last cases again with 1, one document after
-another, for comparison):
+Each case from the start until epoch 2's units are being dealt (two turns), on 8
+data-parallel ranks (4 at 4 readers) without loader workers, with data.open_documents=8
+(the default; the last cases again with 1, one document after another, for comparison):
   heavy-tailed  FineWeb-Edu-schema parquet of real prose with lognormal lengths (median 600
                 characters, sigma 1) and 3 documents of 40,000 characters (each longer than
                 one reader's share at 64 readers and more): 6,000 documents at 4, 16, 64
@@ -17,13 +17,13 @@ another, for comparison):
   long          bench/stream_vs_prepared.py's corpus of long documents (250 of prose,
                 lognormal around 4,500 characters: median about 9 windows of 128 tokens),
                 16 readers of 128 tokens.
-For each: the epoch's steps, its padding (label slots without a token; also over the
-steps before the tail), the slots without any token, the steps after the queue of units
-emptied (the tail, where readers share streams), the tokens sentencepiece encoded per
-token delivered in a window (readers that join a stream read its step whole, to find their
-windows in it), the documents with a token in a step (mean, and the least over the epoch,
-over its tail and over all steps but its last 5%) and the share of a reader's windows that
-hold a token of the document its previous window held (repeats).
+For each: the steps, the step at which epoch 1's units began to be dealt (the turn) and the
+first step after which every document of epoch 0 was read whole (a document longer than a
+reader's share of an epoch is read on into the next ones), the padding (label slots without
+a token), the slots without any token, the tokens sentencepiece encoded per token delivered
+in a window, the documents with a token in a step (mean, least, and the mean and least over
+the ten steps around each turn) and the share of a reader's windows that hold a token of
+the document its previous window held (repeats).
 """
 
 from __future__ import annotations
@@ -68,57 +68,55 @@ class CountingTokenizer(TimedTokenizer):
         return ids
 
 
-def one_epoch(data, tokenizer, readers: int, seq_len: int) -> dict:
-    """One epoch on RANKS data-parallel ranks (threads of this process, agreeing as the
-    trainer's ranks do), each reading its readers' streams itself; one window per reader a
-    step."""
+def two_turns(data, tokenizer, readers: int, seq_len: int) -> dict:
+    """Steps until epoch 2's units are being dealt, on RANKS data-parallel ranks (threads
+    of this process, agreeing as the trainer's ranks do), each reading its readers' streams
+    itself; one window per reader a step."""
     from ranks import Ranks  # the tests' ranks in threads
 
     counting = CountingTokenizer(tokenizer)
     ranks = Ranks(min(RANKS, readers))
     trains = ranks.build(data, counting, seq_len, readers, readers)
-    steps, labels, empty, tail, started = 0, 0, 0, None, time.perf_counter()
-    labels_before_tail = 0
-    while not steps or trains[0].stats()["data/0/epoch"] == 0:
+    deal = trains[0].schedule.deals[0]
+    steps, labels, empty, turns, whole, started = 0, 0, 0, [], None, time.perf_counter()
+    while deal.epoch < 2:
+        epoch = deal.epoch
         for window in ranks.steps(trains, 1)[0]:
             labels += max(len(window) - 1, 0)
             empty += not window
         steps += 1
-        deal = trains[0].schedule.deals[0]
-        if tail is None and (deal.epoch > 0 or deal.handed == len(deal.order)):
-            tail, labels_before_tail = steps, labels  # (the step that emptied the queue: before)
+        turns += [steps] * (deal.epoch - epoch)
+        whole = whole or (steps if deal.oldest_epoch() > 0 else None)
     slots = steps * readers
     return {
         "readers": readers,
         "seq_len": seq_len,
         "open_documents": data.open_documents,
         "steps": steps,
+        "turns": turns,
+        "epoch_0_whole_at": whole,
         "padding_pct": round(100 * (1 - labels / (slots * seq_len)), 3),
-        "padding_before_tail_pct": round(
-            100 * (1 - labels_before_tail / (tail * readers * seq_len)), 3
-        ),
         "empty_slots_pct": round(100 * empty / slots, 3),
-        "tail_steps": steps - tail,
         # a window of n tokens trains n - 1 labels
         "encoded_per_delivered_token": round(counting.tokens / (labels + slots - empty), 4),
-        **diversity(ranks.origins, tail),
+        **diversity(ranks.origins, turns),
         "seconds": round(time.perf_counter() - started, 1),
     }
 
 
-def diversity(origins: list, tail: int) -> dict:
+def diversity(origins: list, turns: list[int]) -> dict:
     """Documents per step and repeats (see the module docstring), from the windows'
-    origins; `tail`: the tail's first step."""
+    origins; `turns`: the steps at which an epoch's dealing began."""
     from corpora import documents_per_step, repeats
 
-    per_step, in_tail = documents_per_step(origins), documents_per_step(origins[tail:]) or [0]
+    per_step = documents_per_step(origins)
+    around = [per_step[i] for t in turns for i in range(max(t - 5, 0), min(t + 5, len(per_step)))]
     windows = sum(bool(origin[5]) for step in origins[1:] for origin in step)
     return {
         "documents_per_step": round(sum(per_step) / len(per_step), 2),
         "documents_per_step_min": min(per_step),
-        "documents_per_step_min_but_last_5pct": min(per_step[: len(per_step) * 19 // 20]),
-        "tail_documents_per_step": round(sum(in_tail) / len(in_tail), 2),
-        "tail_documents_per_step_min": min(in_tail),
+        "turn_documents_per_step": round(sum(around) / len(around), 2),
+        "turn_documents_per_step_min": min(around),
         "repeats_pct": round(100 * sum(repeats(origins)) / max(windows, 1), 2),
     }
 
@@ -162,7 +160,7 @@ def main() -> None:
                 sources=[{"uri": f"{tmp}/*.parquet", "id_column": "id"}], readers=readers,
                 num_workers=0, validation_fraction=0.05, seed=11,
             )  # fmt: skip
-            case = one_epoch(data, tokenizer, readers, seq_len)
+            case = two_turns(data, tokenizer, readers, seq_len)
             cases.append({"corpus": "heavy-tailed", "documents": documents, **case})
             print(cases[-1], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,7 +169,7 @@ def main() -> None:
             sources=[f"{tmp}/*.jsonl"], readers=64, num_workers=0, validation_fraction=0.05,
             seed=11,
         )  # fmt: skip
-        cases.append({"corpus": "source files", **one_epoch(data, tokenizer, 64, 32)})
+        cases.append({"corpus": "source files", **two_turns(data, tokenizer, 64, 32)})
         print(cases[-1], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows = long_document_rows(250, 4500)
@@ -184,7 +182,7 @@ def main() -> None:
         for lanes in (8, 1):  # (1: one document after another, for comparison)
             for name, data in (("embedded", DataConfig(num_workers=0)), ("long", long)):
                 data = data.model_copy(update={"open_documents": lanes})
-                cases.append({"corpus": name, **one_epoch(data, tokenizer, 16, 128)})
+                cases.append({"corpus": name, **two_turns(data, tokenizer, 16, 128)})
                 print(cases[-1], flush=True)
     result = {"documents": args.documents, "cases": cases}
     print(write_result(args.out, result, torch.device("cpu")))

@@ -3,11 +3,9 @@ workers, whole steps assembled in the training process, the schedule kept in agr
 
 Each worker serves a contiguous block of the rank's readers and yields, per training step,
 one item: the windows of its readers' slots (`stream.slot_source` picks each slot's
-source). A reader's slots of a source come from the stream it serves (its own, or in an
-epoch's tail one it joined: `schedule.py`); the readers serving one stream take its
-windows in reader order, so every worker holding one of them reads the stream's whole
-step and keeps its own readers' windows. The reader first in that order reports where the
-stream stands after the step and what it counted.
+source). A reader's slots of a source come from its own stream of that source
+(`schedule.py` deals the stream its units, epoch after epoch); the worker reports where
+each stream stands after the step and what it counted.
 
 The training process assembles a step when it is asked for one, so a step exists whole or
 not at all: a failing source (a DataFault in a worker, or too many unusable rows over all
@@ -66,11 +64,9 @@ padding: `labels` are the label slots that hold a token; `step_documents` the do
 with a token in the step, counted per stream)."""
 HEALTH = COUNTED[: COUNTED.index("labels")]
 """The counts shown as data health (the rest serve the skip check and the padding)."""
-PADDING_WARNING = 0.02
-"""An epoch whose padding passes this share of its label slots is reported (a warning)."""
-STATE_FORMAT = 3
+STATE_FORMAT = 4
 """Version of `state_dict`'s layout (1: per-reader shares, before the schedule; 2: one
-document open per stream, before its lanes)."""
+document open per stream, before its lanes; 3: one epoch's lists at a time, with a tail)."""
 
 
 def worker_init(shutdown, worker_id: int = 0) -> None:
@@ -152,8 +148,8 @@ class Block:
     """Per reader of the worker, its slots' windows in order (None: padding)."""
     origins: dict[int, list]
     """Per reader, each slot's (source, epoch, stream, step, offset in the stream's step,
-    pieces): the window's pieces, ((unit, row) of a document, first token, tokens) each
-    (prepared data: ((document,), ...))."""
+    pieces): the window's pieces, ((epoch, unit, row) of a document, first token, tokens)
+    each (prepared data: ((epoch, unit, document), ...)); its epoch, that of its first."""
     reports: list[dict[int, Position]]
     """Per source, the positions of the streams this worker reports."""
     counts: list[Counter]
@@ -173,75 +169,63 @@ class StepMaker:
         self.tokenizer, self.settings, self.slots = tokenizer, settings, slots
         self.readers, self.schedule, self.inbox = list(readers), schedule, inbox
         self.shutdown, self.parent = shutdown, os.getppid()
-        self.streams: dict[tuple[int, int], tuple[int, object]] = {}  # (s, h): (epoch, stream)
+        self.streams: dict[tuple[int, int], object] = {}  # (source, reader): its stream
         self.first_bad: list[str | None] = [None] * len(sources)
         self.producing = schedule.step
 
     def make(self, step: int) -> Block:
         """The block of `step` (the steps are made in order)."""
         self.producing = step
-        while self.schedule.step < self.schedule.view_needed(step):
+        while self.schedule.step < step - 1:  # (see Schedule.commit)
             self._apply_next()
         block = Block(step, {r: [] for r in self.readers}, {r: [] for r in self.readers},
                       [{} for _ in self.sources], [Counter() for _ in self.sources],
                       [None] * len(self.sources))  # fmt: skip
         slots = self._slot_sources(step, self.readers)
-        used = set()
-        for s, deal in enumerate(self.schedule.deals):
-            groups = deal.groups(self.readers)
-            if self.schedule.step < step and any(self._new(s, h) for h in groups):
+        for s in range(len(self.sources)):
+            if self.schedule.step < step and any((s, h) not in self.streams for h in self.readers):
                 while self.schedule.step < step:  # a new stream starts where this step's
                     self._apply_next()  # schedule has it
-                groups = deal.groups(self.readers)
-            for h, members in groups.items():
-                self._run(block, s, h, members, step, slots)
-                used.add((s, h))
-        self.streams = {key: value for key, value in self.streams.items() if key in used}
+            for h in self.readers:
+                self._run(block, s, h, step, slots[h])
         return block
 
-    def _new(self, s: int, h: int) -> bool:
-        """Whether stream h of source s must be made (not read here last step)."""
-        return self.streams.get((s, h), (None,))[0] != self.schedule.deals[s].epoch
-
-    def _run(self, block: Block, s: int, h: int, members, step: int, slots: dict) -> None:
-        """Stream h's windows of this step: all of them are read, each member's kept."""
+    def _run(self, block: Block, s: int, h: int, step: int, slots: list[int]) -> None:
+        """Stream h's windows of this step, for its reader h."""
         deal = self.schedule.deals[s]
-        if self._new(s, h):
+        if (s, h) not in self.streams:
             position = Position.unpack(deal.positions[h])
             unit_at = functools.partial(self._unit_at, s, h)
-            key = (self.settings.seed, s, deal.epoch, h)  # the stream's draws
-            stream = stream_for(self.sources[s], self.units[s], self.tokenizer, self.settings,
-                                position, unit_at, key)  # fmt: skip
-            self.streams[(s, h)] = (deal.epoch, stream)
-        epoch, stream = self.streams[(s, h)]
+            key = (self.settings.seed, s, h)  # the stream's draws
+            self.streams[(s, h)] = stream_for(self.sources[s], self.units[s], self.tokenizer,
+                                              self.settings, position, unit_at, key)  # fmt: skip
+        stream = self.streams[(s, h)]
         counts_before = stream.counts()
-        offset, documents = 0, set()
-        if any(int(m) not in slots for m in members):
-            slots = {**slots, **self._slot_sources(step, [int(m) for m in members])}
-        for member in (int(m) for m in members):
-            for i in (i for i, source in enumerate(slots[member]) if source == s):
-                window = stream.next_window()
-                pieces = tuple(stream.pieces) if window is not None else ()
-                documents.update(doc for doc, _, _ in pieces)
-                if member in block.windows:
-                    block.windows[member].append((i, window))
-                    block.origins[member].append((i, (s, epoch, h, step, offset, pieces)))
-                    if window is not None:
-                        block.counts[s]["labels"] += max(len(window) - 1, 0)
-                offset += 1
+        documents = set()
+        for offset, i in enumerate(i for i, source in enumerate(slots) if source == s):
+            window = stream.next_window()
+            pieces = self._pieces(deal, h, stream.pieces) if window is not None else ()
+            documents.update(doc for doc, _, _ in pieces)
+            epoch = pieces[0][0][0] if pieces else deal.epoch
+            block.windows[h].append((i, window))
+            block.origins[h].append((i, (s, epoch, h, step, offset, pieces)))
+            if window is not None:
+                block.counts[s]["labels"] += max(len(window) - 1, 0)
         position = stream.position()
-        finished = stream.finished_units(position.unit)  # forgotten where not reported
-        if int(members[0]) in block.windows:  # this worker reports the stream
-            per_step = self.slots.per_reader * self.settings.window
-            if tokens := deal.look_ahead(per_step, len(members)):
-                position = position._replace(ahead=stream.look_ahead(tokens))
-            block.reports[s][h] = position
-            counts = stream.counts()
-            counts.subtract(counts_before)
-            counts.update(finished, step_documents=len(documents))
-            block.counts[s].update(counts)
+        block.reports[s][h] = position
+        counts = stream.counts()
+        counts.subtract(counts_before)
+        counts.update(stream.finished_units(position.unit), step_documents=len(documents))
+        block.counts[s].update(counts)
         if stream.first_bad and not self.first_bad[s]:
             self.first_bad[s] = block.first_bad[s] = stream.first_bad
+
+    @staticmethod
+    def _pieces(deal, h: int, pieces) -> tuple:
+        """A window's pieces with each document named by (epoch, unit, its place in the
+        unit) instead of the stream's list index: the same document in every epoch's
+        reading, wherever it was dealt."""
+        return tuple(((*deal.unit_of(h, doc[0]), *doc[1:]), first, n) for doc, first, n in pieces)
 
     def _slot_sources(self, step: int, readers: Sequence[int]) -> dict[int, list[int]]:
         """The source of each slot of `readers` in step `step`."""
@@ -256,9 +240,10 @@ class StepMaker:
     def _unit_at(self, s: int, h: int, k: int) -> int | None:
         """Unit k of stream h's list, as the schedule of the step being made has it."""
         deal = self.schedule.deals[s]
-        while k >= len(deal.lists[h]) and self.schedule.step < self.producing:
+        while k >= deal.lengths[h] and self.schedule.step < self.producing:
             self._apply_next()
-        return deal.lists[h][k] if k < len(deal.lists[h]) else None
+        found = deal.unit_of(h, k)
+        return None if found is None else found[1]
 
     def _apply_next(self) -> None:
         """Wait for the next step's summed report and apply it. A worker whose trainer
@@ -377,11 +362,9 @@ class TrainData:
             settings.lanes,
         )  # fmt: skip
         self.totals = [Counter() for _ in sources]
-        self.epoch_padding = [[0, 0] for _ in sources]  # label slots: [filled, all] this epoch
         self.first_bad: list[tuple[int, str] | None] = [None] * len(sources)
         self._padding = [0, 0]  # label slots since stats(): [filled, all]
         self._documents = [0, 0]  # since stats(): [documents feeding the steps, steps]
-        self._padding_told: set[int] = set()  # sources whose padded epoch was reported
         self.origins: dict[int, list] = {}
         """Per reader of this rank, where each window of the last step came from:
         (source, epoch, stream, step, offset in the stream's step, pieces; see Block)."""
@@ -456,7 +439,7 @@ class TrainData:
     def _judge(self, totals: list[Counter]) -> None:
         for s, source in enumerate(self.sources):
             # judged on a fair sample: enough rows over enough units, or every row once
-            whole = totals[s]["units"] >= len(self.units[s])
+            whole = self.schedule.deals[s].oldest_epoch() > 0
             problem = skip_problem(
                 source.cfg.uri, totals[s], self.max_skipped_fraction,
                 self.skip_check_min_rows, whole=whole,
@@ -468,8 +451,8 @@ class TrainData:
                 raise DataFault(problem + where)
 
     def _count_padding(self, step: int, counts: list[dict], turned: list[bool]) -> None:
-        """Padding of the step (all ranks' label slots), per source over its epoch; a
-        warning when an epoch's passes PADDING_WARNING."""
+        """Padding of the step (all ranks' label slots) and the documents feeding it, for
+        the metrics; an epoch's turn is logged."""
         seq_len, batch = self.settings.window - 1, self.slots.global_batch
         if len(self.sources) == 1:
             slots = Counter({0: batch})
@@ -480,25 +463,10 @@ class TrainData:
         self._documents[0] += sum(c["step_documents"] for c in counts)
         self._documents[1] += 1
         for s, source in enumerate(self.sources):
-            filled, possible = counts[s]["labels"], slots[s] * seq_len
-            self._padding[0] += filled
-            self._padding[1] += possible
-            epoch = self.epoch_padding[s]
-            epoch[0] += filled
-            epoch[1] += possible
+            self._padding[0] += counts[s]["labels"]
+            self._padding[1] += slots[s] * seq_len
             if turned[s]:
-                share = 1 - epoch[0] / max(epoch[1], 1)
-                if share > PADDING_WARNING and s not in self._padding_told:
-                    self._padding_told.add(s)
-                    log.warning(
-                        "%s: epoch %d was %.1f%% padding (label slots without a token): an "
-                        "epoch's last step is padded, and this one held %d windows; later "
-                        "epochs are not reported (data/padding in the metrics has each log's)",
-                        source.cfg.uri, self.schedule.deals[s].epoch - 1, 100 * share,
-                        epoch[1] // seq_len,
-                    )  # fmt: skip
                 log.info("%s: epoch %d begins", source.cfg.uri, self.schedule.deals[s].epoch)
-                self.epoch_padding[s] = [0, 0]
 
     def _windows(self, blocks: list[Block]) -> list:
         """The step's windows in slot order (this rank's readers, each reader's slots)."""
@@ -544,6 +512,11 @@ class TrainData:
             atexit.unregister(self._shutdown.set)
         self._loader, self._shutdown, self._inboxes = None, None, []
 
+    def __del__(self) -> None:
+        # before the DataLoader stops its workers with SIGTERM, which a worker not told of
+        # the shutdown takes for a stop request and passes on to this process
+        self.close()
+
     def _start_workers(self) -> None:
         replica = copy.deepcopy(self.schedule)  # what the workers keep up to date
         if self.num_workers == 0:
@@ -585,7 +558,6 @@ class TrainData:
             "layout": dict(self.layout),
             "schedule": self.schedule.state_dict(),
             "totals": [dict(t) for t in self.totals],
-            "epoch_padding": [list(p) for p in self.epoch_padding],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -594,6 +566,8 @@ class TrainData:
         `data.open_documents`)."""
         if state.get("format") == 2:
             state = one_document_state(state, self.settings.lanes)
+        if state.get("format") == 3:
+            state = overlapping_state(state, [len(units) for units in self.units])
         if state.get("format") != STATE_FORMAT:
             raise BadDataInput(
                 "the data state was written by an earlier belief-lm (its readers had fixed "
@@ -621,7 +595,6 @@ class TrainData:
                 )
         self.schedule.load_state_dict(state["schedule"])
         self.totals = [Counter(t) for t in state["totals"]]
-        self.epoch_padding = [list(p) for p in state["epoch_padding"]]
         self.close()  # the next step starts workers at these positions
 
     def stats(self) -> dict[str, float]:
@@ -649,7 +622,7 @@ class TrainData:
 
 def one_document_state(state: dict, lanes: int) -> dict:
     """A data state of format 2 (a stream held one document: `(unit, row, token,
-    unit_tokens, unit_bad, ahead)` per stream) as one of this format for streams of `lanes`
+    unit_tokens, unit_bad, ahead)` per stream) as one of format 3 for streams of `lanes`
     lanes: a stream's document, if begun, open in its first lane, its cursor at the next
     row. Its open tokens are -1 until the stream reports them: the stream remade there adds
     the tokens it has left to its unit's tally, which counted only the tokens taken."""
@@ -659,7 +632,28 @@ def one_document_state(state: dict, lanes: int) -> dict:
         for unit, row, token, unit_tokens, unit_bad, ahead in old:
             begun = int(token > 0)
             lane = ((0, unit, row, token),) if begun else ()
-            position = Position(unit, row + begun, unit_tokens, unit_bad, ahead, -begun, lanes=lane)
-            packed.append(position.pack(lanes))
+            position = Position(unit, row + begun, unit_tokens, unit_bad, -begun, lanes=lane)
+            packed.append([*position.pack(lanes)[:4], ahead, *position.pack(lanes)[4:]])
         deal["positions"] = np.array(packed, dtype=np.int64)
+    return {**state, "format": 3}
+
+
+FORMAT3_AHEAD = 4
+"""The column of a format-3 position that said how much an epoch's tail had left."""
+
+
+def overlapping_state(state: dict, units: Sequence[int]) -> dict:
+    """A data state of format 3 (an epoch's lists of units, readers joining other streams
+    in its tail) as one of this format (`units`: each source's number of units): each
+    stream's list becomes entries of its epoch, its position loses the tail's column, and
+    every reader reads its own stream on (a stream some joined in the tail is then read
+    by its own reader alone: every document is still read once)."""
+    state = copy.deepcopy(state)
+    for deal, count in zip(state["schedule"]["sources"], units, strict=True):
+        positions = np.delete(np.asarray(deal["positions"]), FORMAT3_AHEAD, axis=1)
+        entries = np.asarray(deal.pop("units"), dtype=np.int64) + deal["epoch"] * count
+        for key in ("follow", "emptied"):
+            deal.pop(key)
+        deal.setdefault("finished_rows", 0)  # (format 2: not counted)
+        deal.update(entries=entries, bases=np.zeros(len(positions), np.int64), positions=positions)
     return {**state, "format": STATE_FORMAT}

@@ -236,8 +236,9 @@ class PreparedStream:
         self.taken = 0
         self.tallies: dict[int, list[int]] = {}
         self.first_bad = None
-        self.pieces: list[tuple[tuple[int], int, int]] = []
-        """The last window's pieces: ((document,), first token, tokens)."""
+        self.pieces: list[tuple[tuple[int, int], int, int]] = []
+        """The last window's pieces: ((list index of its unit, document), first token,
+        tokens)."""
 
     def next_window(self) -> np.ndarray | None:
         index = self.unit_at(self.unit)
@@ -246,7 +247,8 @@ class PreparedStream:
         unit = self.units[index]
         sample = self.dataset[unit.start + self.row]
         window = np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
-        self.pieces = sample_pieces(self.dataset, unit.start + self.row)
+        pieces = sample_pieces(self.dataset, unit.start + self.row)
+        self.pieces = [((self.unit, *doc), first, n) for doc, first, n in pieces]
         self.row += 1
         self.unit_tokens += len(window)
         self.taken += len(window)
@@ -258,16 +260,6 @@ class PreparedStream:
 
     def position(self) -> Position:
         return Position(self.unit, self.row, self.unit_tokens)
-
-    def look_ahead(self, tokens: int) -> int:
-        """Position.ahead: the samples left in the list, counted without reading them."""
-        window = len(self.dataset[0]["tokens"]) + 1
-        left, k = 0, self.unit
-        while left <= tokens and (index := self.unit_at(k)) is not None:
-            unit = self.units[index]
-            left += (unit.stop - unit.start - (self.row if k == self.unit else 0)) * window
-            k += 1
-        return left if left <= tokens else -tokens
 
     def counts(self) -> Counter:
         return Counter(self.read, tokens=self.taken)

@@ -4,7 +4,7 @@ A *stream* reads the units of a source it is handed (`data_pipeline/schedule.py`
 them out), in order: rows -> documents (`RowParser`; corrupt, non-UTF-8 and empty rows
 are skipped and counted) -> sentencepiece ids + EOS. It keeps `lanes` documents open at
 once and takes each window (seq_len + 1 tokens) from one of them, chosen by a seeded draw
-(a function of the seed, the source, the epoch, the stream and the window's number: the
+(a function of the seed, the source, the stream and the window's number: the
 same in every process and at every layout), never the lane of its previous window while
 another one has tokens. A lane whose document ends mid-window opens the next document,
 read where the stream's *cursor* stands; once no document is left to open the lanes are
@@ -111,10 +111,6 @@ class Position(NamedTuple):
     """Tokens of that unit's documents opened so far."""
     unit_bad: int = 0
     """Unusable rows of that unit before the row."""
-    ahead: int = 0
-    """In an epoch's tail: the tokens the stream has left, if it read them all ahead
-    (> 0), or minus the number it read ahead without reaching its end (< 0); else 0. Not
-    needed to continue: it tells the schedule which streams need readers most."""
     open: int = 0
     """Tokens left in the open documents (-1: a state of format 2 converted, whose open
     document's tokens left are not yet in its unit's tally)."""
@@ -149,10 +145,8 @@ class Position(NamedTuple):
 
 SCALARS = len(Position._fields) - 1
 """Integers of a Position before its lanes'."""
-UNIT, UNIT_TOKENS, AHEAD, OPEN = (
-    Position._fields.index(name) for name in ("unit", "unit_tokens", "ahead", "open")
-)
-"""Columns of a packed Position that the schedule reads."""
+UNIT = Position._fields.index("unit")
+"""The column of a packed Position that holds the cursor's unit."""
 LANE_UNITS = slice(SCALARS, None, 3)
 """Columns of a packed Position holding each lane's unit (-1: no document)."""
 
@@ -163,8 +157,8 @@ def position_fields(lanes: int) -> int:
 
 
 def draw(key: Sequence[int], n: int) -> float:
-    """A uniform number in [0, 1) for draw `n` of the stream `key` (seed, source, epoch,
-    stream): a hash, so any process computes it without the draws before it."""
+    """A uniform number in [0, 1) for draw `n` of the stream `key` (seed, source, stream):
+    a hash, so any process computes it without the draws before it."""
     digest = hashlib.blake2b(np.array([*key, n], dtype=np.int64).tobytes(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") / 2.0**64
 
@@ -512,15 +506,6 @@ class SourceStream:
         head = self.pending[0]
         return Position(head.unit, head.row, self.tallies[head.unit][2], head.unit_bad, **state)
 
-    def look_ahead(self, tokens: int) -> int:
-        """Position.ahead: read on until more than `tokens` tokens are left in the lanes
-        and read ahead, or the list is read (the result depends on the data alone, not on
-        how far it had read)."""
-        while self.open_tokens + self.pending_tokens <= tokens and self._read():
-            pass
-        left = self.open_tokens + self.pending_tokens
-        return left if left <= tokens else -tokens
-
     def counts(self) -> Counter:
         """Counts of the rows before the cursor (since this stream was made), plus the
         tokens taken."""
@@ -622,7 +607,7 @@ def stream_for(
     key: Sequence[int] = (),
 ):
     """A stream of `source`'s `units` from `position`, the k-th of its list being
-    units[unit_at(k)], its draws keyed by `key` (seed, source, epoch, stream). Prepared
+    units[unit_at(k)], its draws keyed by `key` (seed, source, stream). Prepared
     data has its own kind of stream (its samples are shuffled already)."""
     if not isinstance(source, Source):
         return source.stream(units, settings, position, unit_at)

@@ -195,35 +195,56 @@ def write_parquet(path: Path, rows: list[dict], row_group_size: int) -> None:
     pq.write_table(table, path, row_group_size=row_group_size)
 
 
-def stream_documents(steps: list, origins: list) -> Counter:
-    """The documents a run's windows hold, put together from the windows' pieces (each
-    window's origin, (source, epoch, stream, step, offset, pieces), lists where its tokens
-    came from: a document, its first token, how many); asserts that the pieces fill the
-    windows and every document is whole: its pieces follow each other from its first token
-    and it ends with EOS."""
+def stream_documents(steps: list, origins: list, epoch: int | None = None) -> Counter:
+    """The documents a run's windows hold (of epoch `epoch` only, if given), put together
+    from the windows' pieces (each window's origin, (source, epoch, stream, step, offset,
+    pieces), lists where its tokens came from: a document (its epoch first), its first
+    token, how many); asserts that the pieces fill the windows and every document is whole:
+    its pieces follow each other from its first token and it ends with EOS."""
+    whole, begun = documents_so_far(steps, origins, epoch)
+    assert not begun, f"{len(begun)} documents not read to their end"
+    return whole
+
+
+def documents_so_far(steps: list, origins: list, epoch: int | None = None) -> tuple:
+    """(the whole documents, the beginnings of those not read to their end) of a run's
+    windows (see stream_documents), each piece following the one before it."""
     documents: dict = {}
     for step_windows, step_origins in zip(steps, origins, strict=True):
         for window, origin in zip(step_windows, step_origins, strict=True):
             at = 0
             for document, first, length in origin[5]:
-                key = (*origin[:3], document)
-                documents.setdefault(key, []).append((first, window[at : at + length]))
+                if epoch is None or document[0] == epoch:
+                    key = (origin[0], origin[2], document)
+                    documents.setdefault(key, []).append((first, window[at : at + length]))
                 at += length
             assert at == len(window), origin
-    whole = Counter()
+    whole, begun = Counter(), []
     for pieces in documents.values():
         tokens: list[int] = []
         for first, piece in sorted(pieces):
             assert first == len(tokens)
             tokens += piece
-        assert tokens[-1] == EOS
-        whole[tuple(tokens)] += 1
-    return whole
+        if tokens[-1] == EOS:
+            whole[tuple(tokens)] += 1
+        else:
+            begun.append(tuple(tokens))
+    return whole, begun
+
+
+def each_once(expected: Counter, whole: Counter, begun: list) -> None:
+    """Asserts that the documents read so far are `expected`, each once: whole, or (those
+    still open) begun, each beginning that of a distinct expected document not read whole."""
+    assert not whole - expected, "documents read that are not expected, or twice"
+    missing = sorted((expected - whole).elements())
+    assert len(begun) == len(missing), (len(begun), len(missing))
+    for start, document in zip(sorted(begun), missing, strict=True):
+        assert document[: len(start)] == start
 
 
 def window_documents(origin) -> set:
     """The documents a window holds a token of, by its origin's pieces."""
-    return {(*origin[:3], document) for document, _, _ in origin[5]}
+    return {(origin[0], origin[2], document) for document, _, _ in origin[5]}
 
 
 def documents_per_step(origins: list) -> list[int]:

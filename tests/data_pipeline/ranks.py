@@ -60,10 +60,12 @@ class Ranks:
         return [[w for rank in per_rank for w in rank[step][0]] for step in range(k)]
 
     def epoch(self, datas: list) -> list[list[list[int]]]:
-        """The global batches up to the end of source 0's current epoch (the step at which
-        the next one begins for every reader)."""
-        batches, epoch = [], datas[0].stats().get("data/0/epoch", 0)
-        while datas[0].stats().get("data/0/epoch", 0) == epoch:
+        """The global batches until source 0's oldest epoch in reading is read whole (its
+        last steps hold the next epoch's first documents: `stream_documents(...,
+        epoch=...)` tells them apart)."""
+        deal = datas[0].schedule.deals[0]
+        batches, epoch = [], deal.oldest_epoch()
+        while not batches or deal.oldest_epoch() == epoch:
             batches += self.steps(datas, 1)
         return batches
 
@@ -75,7 +77,10 @@ def resumed(n: int, state: dict, k: int, data, tokenizer, *shape: int) -> list:
     datas = ranks.build(data, tokenizer, *shape)
     for part in datas:
         part.load_state_dict(state)
-    return ranks.steps(datas, k)
+    steps = ranks.steps(datas, k)
+    for part in datas:  # (a worker stopped unasked passes the signal on to its trainer)
+        part.close()
+    return steps
 
 
 def _steps(data, k: int) -> list[tuple[list, list]]:

@@ -161,4 +161,4 @@ def test_validation_during_training_matches_evaluate(tmp_path, cache_dir, mask):
         (causal / "config.yaml").write_text(config)
         seal(causal)
         other = evaluate(str(causal), max_batches=3)
-        assert other["loss"] != pytest.approx(evaluated["loss"], rel=1e-4)
+        assert other["loss"] != pytest.approx(evaluated["loss"], rel=1e-6)  # (as matched above)
