@@ -100,7 +100,7 @@ def test_activations_per_layer_are_what_autograd_keeps(preset, variant, dtype):
         for mode in plan.RECOMPUTE_MODES:
             model = BeliefLM(cfg, VOCAB, recompute=mode).to(getattr(torch, dtype)).train()
             with torch.no_grad():
-                model(tokens)  # RoPE's cached angles are made once, not per step
+                model(tokens)  # warm-up: what a first forward allocates once is not counted
             kept[layers, mode] = kept_after_forward(model, tokens)
     for mode in plan.RECOMPUTE_MODES:
         measured = (kept[2, mode] - kept[1, mode]) / (SEQ * BATCH)
