@@ -350,7 +350,8 @@ def one_pass_grad_norm(optimizer) -> None:
         squares = torch.zeros((), dtype=torch.float32, device=zero.device)
         if counted:
             squares = torch.stack(norms(counted, torch.float32)).square().sum()
-        comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=zero.dp_process_group)
+        if dist.get_world_size(zero.dp_process_group) > 1:  # as the next call skips
+            comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=zero.dp_process_group)
         zero._model_parallel_all_reduce(tensor=squares, op=comm.ReduceOp.SUM)
         total = squares.sqrt()
         mask_invalid(total, device=zero.device)
