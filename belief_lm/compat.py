@@ -264,6 +264,36 @@ def untracked_dropout_rng() -> None:
     megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
+def lean_rotary_embedding() -> None:
+    """Make megatron's unfused RoPE (rope_utils._apply_rotary_pos_emb_bshd, what
+    apply_rotary_pos_emb runs without TransformerEngine's fusion) skip two passes that
+    change no value: cos and sin multiplied by mscale when it is 1, and the rotated heads
+    concatenated with the dimensions RoPE leaves alone when there are none (a copy of q
+    and of k). Bit for bit megatron's result and gradient (x * 1.0 is x; a concatenation
+    with nothing is a copy), 4 ops fewer per layer for q and k; any other case (a scale,
+    a partial rotary dimension, multi-latent attention) runs megatron's. Idempotent."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    megatrons = rope_utils._apply_rotary_pos_emb_bshd
+    if getattr(megatrons, "lean", False):
+        return
+
+    def apply(
+        t: Tensor,
+        freqs: Tensor,
+        rotary_interleaved: bool = False,
+        multi_latent_attention: bool = False,
+        mscale: float = 1.0,
+    ) -> Tensor:
+        if multi_latent_attention or mscale != 1.0 or freqs.shape[-1] != t.shape[-1]:
+            return megatrons(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+        return t * cos + rope_utils._rotate_half(t, rotary_interleaved) * sin
+
+    apply.lean, apply.megatrons = True, megatrons
+    rope_utils._apply_rotary_pos_emb_bshd = apply
+
+
 # DeepSpeed -------------------------------------------------------------------------------
 
 
@@ -350,7 +380,8 @@ def one_pass_grad_norm(optimizer) -> None:
         squares = torch.zeros((), dtype=torch.float32, device=zero.device)
         if counted:
             squares = torch.stack(norms(counted, torch.float32)).square().sum()
-        comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=zero.dp_process_group)
+        if dist.get_world_size(zero.dp_process_group) > 1:  # as the next call skips
+            comm.all_reduce(squares, op=comm.ReduceOp.SUM, group=zero.dp_process_group)
         zero._model_parallel_all_reduce(tensor=squares, op=comm.ReduceOp.SUM)
         total = squares.sqrt()
         mask_invalid(total, device=zero.device)

@@ -109,7 +109,8 @@ class Weight:
 @dataclass(frozen=True)
 class Saved:
     """A tensor a decoder layer's forward keeps for backward: `elements` per token on one
-    tensor-parallel rank, in fp32 or in the model's dtype."""
+    tensor-parallel rank (per position of the sequence if `per_position`), in fp32 or in
+    the model's dtype."""
 
     what: str
     elements: int
@@ -123,6 +124,9 @@ class Saved:
     """Outside the tensor-parallel region (the layer's input, the norms' tensors, the
     residual sums): with sequence parallelism each rank keeps 1/TP of the sequence's
     (Korthikanti et al.'s 10 of 34 units), else the whole sequence's."""
+    per_position: bool = False
+    """One for each position of the sequence, shared by the micro-batch's rows (RoPE's cos
+    and sin, [s, 1, 1, d]): per token 1/micro_batch of `elements`."""
 
     def bytes(self, bf16: bool) -> int:
         return self.elements * (4 if self.fp32 or not bf16 else 2)
@@ -342,7 +346,8 @@ def _description(model_json: str, vocab_size: int) -> ModelDescription:
 
 def layer_saved(model: ModelConfig, tensor: int, bf16: bool) -> tuple[Saved, ...]:
     """What one decoder layer keeps for backward, per token on one tensor-parallel rank
-    (made once per model, as `describe`).
+    (per position where an entry is per_position: RoPE's cos and sin) (made once per
+    model, as `describe`).
 
     Counted from what autograd saves in this model (megatron's local layer spec with
     FamilyCoreAttention), the whole sequence's: under sequence parallelism the entries
@@ -370,7 +375,7 @@ def _layer_saved(model_json: str, tensor: int, bf16: bool) -> tuple[Saved, ...]:
         *qk_norm_saved(model, tensor, bf16),
     ]
     if model.position_embedding == "rope":
-        saved.append(Saved("RoPE's rotated Q and K", q + kv))
+        saved += [Saved("RoPE's rotated Q and K", q + kv), rope_saved(model)]
     output = 2 * q if model.variant.extra_projection else q
     saved += [
         Saved("SDPA's output (flash kernels keep no score matrix)", q, kept_under=IN_CORE),
@@ -401,6 +406,18 @@ def norm_saved(model: ModelConfig, name: str) -> tuple[Saved, ...]:
     return Saved(f"{name}: its input", hidden, **split), Saved(
         f"{name}: its output", hidden, **split
     )
+
+
+def rope_saved(model: ModelConfig) -> Saved:
+    """RoPE's cos and sin: megatron's unfused apply_rotary_pos_emb makes them anew from the
+    layer's angles (DecoderLayer computes those per layer) for the queries and again for
+    the keys, in the model's dtype, and keeps both for backward: 4 x head_dim, the whole
+    sequence's on every tensor-parallel rank (the rotation runs in the tensor-parallel
+    region). Per position ([s, 1, 1, d]) with positions 0 .. s-1; per token
+    ([s, b, 1, d]) under model.attention_mask=document, each row at its own positions."""
+    per_position = model.attention_mask != "document"
+    return Saved("RoPE's cos and sin, for Q and for K", 4 * model.head_dim,
+                 per_position=per_position)  # fmt: skip
 
 
 def qk_norm_saved(model: ModelConfig, tensor: int, bf16: bool) -> tuple[Saved, ...]:

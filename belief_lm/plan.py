@@ -12,7 +12,8 @@ at its peak (what torch.cuda.max_memory_allocated reports):
   `reduce_bucket_size` elements, 5e8 unless configured), the optimizer step's temporaries;
 - activations per decoder layer, what autograd keeps for backward in this code as the
   model's description lists it (belief_lm.description.layer_saved: belief_star's Δ, Δ^s,
-  the [Δ, Δ^s] input of W^o/W^s and, in bf16, the fp32 copies its inner products take),
+  the [Δ, Δ^s] input of W^o/W^s and, in bf16, the fp32 copies its inner products take;
+  RoPE's cos and sin, per position, shared by the micro-batch's rows),
   under none / selective / full recompute (with sequence parallelism the layer's
   input, norms and residuals 1/TP of the sequence's: Korthikanti et al.'s s·b·h·34/t per
   layer instead of 10 + 24/t, in their units), times the
@@ -214,18 +215,28 @@ def _divisors(n: int) -> list[int]:
 
 
 def layer_activations(
-    model: ModelConfig, tensor: int, recompute: str, bf16: bool, sequence_parallel: bool = False
+    model: ModelConfig,
+    tensor: int,
+    recompute: str,
+    bf16: bool,
+    sequence_parallel: bool = False,
+    *,
+    micro_batch: int,
 ) -> float:
     """Bytes per token (of the whole sequence) one decoder layer keeps for backward on one
-    tensor-parallel rank under `recompute`: the description's kept tensors
-    (belief_lm.description.layer_saved) that the mode keeps. Full recompute keeps the
-    layer's input only; selective keeps the attention core's inputs and output and drops
-    what is inside it. With `sequence_parallel` the tensors outside the tensor-parallel
-    region are this rank's part of the sequence: 1/tensor of them."""
+    tensor-parallel rank under `recompute`, with `micro_batch` rows a micro-batch: the
+    description's kept tensors (belief_lm.description.layer_saved) that the mode keeps.
+    Full recompute keeps the layer's input only; selective keeps the attention core's
+    inputs and output and drops what is inside it. With `sequence_parallel` the tensors
+    outside the tensor-parallel region are this rank's part of the sequence: 1/tensor of
+    them. What is kept per position (RoPE's cos and sin) the rows share: 1/micro_batch of
+    it per token."""
     saved = layer_saved(model, tensor, bf16)
     split = tensor if sequence_parallel else 1
     return sum(
-        entry.bytes(bf16) / (split if entry.sequence_split else 1)
+        entry.bytes(bf16)
+        / (split if entry.sequence_split else 1)
+        / (micro_batch if entry.per_position else 1)
         for entry in saved
         if recompute in entry.kept_under
     )
@@ -290,7 +301,9 @@ def memory(
     # 1F1B: stage s holds the activations of up to (stages - s) micro-batches
     in_flight = min(candidate.pipeline - stage, candidate.accumulation)
     split = candidate.sequence_parallel
-    per_layer = layer_activations(model, candidate.tensor, candidate.recompute, bf16, split)
+    per_layer = layer_activations(
+        model, candidate.tensor, candidate.recompute, bf16, split, micro_batch=candidate.micro_batch
+    )
     layer_activation = in_flight * tokens * layers * per_layer
     chunk = cfg.train.loss_chunk_tokens
     head = 0.0
@@ -327,7 +340,9 @@ def memory(
     # loss's already freed
     transient = 0.0
     if candidate.recompute != "none":
-        whole = layer_activations(model, candidate.tensor, "none", bf16, split)
+        whole = layer_activations(
+            model, candidate.tensor, "none", bf16, split, micro_batch=candidate.micro_batch
+        )
         transient = tokens * (whole - per_layer)
         backward = max(backward, held + transient + weight_grad)
     # backward ends with every gradient and, for a tied embedding in one stage, two more

@@ -156,10 +156,13 @@ def cases(model: str) -> list[dict]:
 
 def overrides(case: dict) -> list[str]:
     shape = SHAPES[case["model"]]
-    sequence_parallel = []
+    # the plain cases run without sequence parallelism (measured before it existed, and
+    # predicted again by --resume as they ran); --sequence-parallel's set it both ways
+    sequence_parallel = [
+        f"parallel.sequence_parallel={str(case.get('sequence_parallel', False)).lower()}"
+    ]
     if "sequence_parallel" in case:
         shape = SEQUENCE_PARALLEL_SHAPE
-        sequence_parallel = [f"parallel.sequence_parallel={str(case['sequence_parallel']).lower()}"]
     micro = int(next(o for o in shape if o.startswith("train.micro")).split("=")[1])
     batch = micro * case["data"] * case.get("accumulation", 1)
     return [

@@ -36,7 +36,8 @@ from torch import Tensor, nn
 
 from belief_lm import attention as family
 from belief_lm.config import Config, ModelConfig, load_config
-from belief_lm.model.loss import IGNORE_INDEX
+from belief_lm.model import gpt
+from belief_lm.model.loss import IGNORE_INDEX, LossTerms
 from belief_lm.parallel.dims import ParallelDims
 from belief_lm.parallel.env import detect
 from belief_lm.parallel.grid import ProcessGrid
@@ -322,6 +323,17 @@ def profiled(step: Callable[[], Tensor], steps: int, top: int = 20) -> dict:
     }
 
 
+def torch_cross_entropy(logits: Tensor, labels: Tensor, z_loss: float = 0.0) -> LossTerms:
+    """belief_lm.model.loss.lm_loss through torch's F.cross_entropy (one process: the
+    vocabulary not split; no z-loss): --torch-loss, what swapping megatron's vocab-parallel
+    cross entropy for torch's would change in a step."""
+    if z_loss:
+        raise SystemExit("--torch-loss takes no train.z_loss")
+    flat = logits.float().flatten(0, 1)  # [seq * batch, vocab], labels sequence-major
+    loss = F.cross_entropy(flat, labels.t().reshape(-1), ignore_index=IGNORE_INDEX)
+    return LossTerms(loss, loss.detach().new_zeros(()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
@@ -334,9 +346,13 @@ def main() -> None:
         "--precision", choices=["fp32", "bf16"], default="fp32",
         help="bf16: DeepSpeed's bf16 engine against autocast, as on a GPU",
     )  # fmt: skip
+    parser.add_argument("--torch-loss", action="store_true",
+                        help="belief-lm's loss through torch's F.cross_entropy")  # fmt: skip
     parser.add_argument("--out", default="bench/results/step_overhead_cpu.json")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = parser.parse_args()
+    if args.torch_loss:
+        gpt.lm_loss = torch_cross_entropy
     device = torch.device("cpu")
     grid = ProcessGrid.join(detect({}), device, ParallelDims(1, 1, 1))  # one process
     load_before = os.getloadavg()
@@ -357,6 +373,7 @@ def main() -> None:
         "benchmark": "median step time, belief-lm's Trainee.train_step against a plain "
         "PyTorch loop of the same shapes, steps alternating",
         "precision": args.precision,
+        "loss": "F.cross_entropy" if args.torch_loss else "megatron's vocab-parallel steps",
         "warmup": args.warmup,
         "steps": args.steps,
         "threads": torch.get_num_threads(),

@@ -131,6 +131,36 @@ def test_megatron_embedding_forks_its_rng_tracker_under_sequence_parallel():
         pass
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_megatron_rope_without_its_no_op_passes_is_megatrons_bit_for_bit(interleaved):
+    """compat.lean_rotary_embedding: q as megatron's attention hands it (a non-contiguous
+    slice of the fused projection, [seq, batch, heads, dim]) gets megatron's values and
+    gradient, bit for bit; a scale or a partial rotary dimension runs megatron's own."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from belief_lm.attention import rotary_angles
+
+    compat.lean_rotary_embedding()
+    lean = rope_utils._apply_rotary_pos_emb_bshd
+    megatrons = lean.megatrons
+    freqs = rotary_angles(torch.arange(16), 8, 10000.0)[:, None, None, :]
+    fused = torch.randn(16, 2, 3, 24, generator=torch.Generator().manual_seed(0))
+    results = []
+    for apply in (lean, megatrons):
+        leaf = fused.clone().requires_grad_()
+        out = apply(leaf[..., 8:16], freqs, interleaved)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append((out.detach(), leaf.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    assert rope_utils._apply_rotary_pos_emb_bshd is lean  # building twice patches once
+    compat.lean_rotary_embedding()
+    assert rope_utils._apply_rotary_pos_emb_bshd is lean
+    q = fused[..., :12]
+    for args in ((q[..., :8], freqs, interleaved, False, 2.0), (q, freqs, interleaved)):
+        assert torch.equal(lean(*args), megatrons(*args))
+
+
 def test_deepspeed_lists_the_shm_op_it_may_build():
     import deepspeed.ops
 

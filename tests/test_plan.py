@@ -65,6 +65,12 @@ def needs_calibrated_torch(dtype: str) -> None:
         pytest.skip(f"bf16 activations on torch {torch.__version__} are not modelled")
 
 
+def layer_tolerance(variant: str) -> float:
+    """How far plan.layer_activations may be from a layer's measured bytes: 1%, or 2.5%
+    for Attention-SH's variants, whose pooled keys and values are not modelled."""
+    return 0.025 if variant.startswith("attention_") and "sh" in variant else 0.01
+
+
 @pytest.mark.usefixtures("single_process_group")
 @pytest.mark.parametrize(
     ("preset", "variant", "dtype"),
@@ -79,14 +85,13 @@ def needs_calibrated_torch(dtype: str) -> None:
 )
 def test_activations_per_layer_are_what_autograd_keeps(preset, variant, dtype):
     """One more decoder layer keeps plan.layer_activations per token (none, selective,
-    full recompute), and the rest of the model plan.head_activations: within 3% (small
-    per-head statistics are approximate; Attention-SH's pooled keys and values are not
-    modelled: within 1% in fp32, 4% over in bf16)."""
+    full recompute), and the rest of the model plan.head_activations: within 1% (small
+    per-head statistics are approximate; measured at most 0.8% apart), Attention-SH's
+    layers within 2.5% (its pooled keys and values are not modelled: 2.0% under)."""
     needs_calibrated_torch(dtype)
     preset, _, option = preset.partition("+")
     shape = [*(LLAMA if preset == "tiny" else GPT2), *([f"model.{option}=true"] if option else [])]
     bf16 = dtype == "bfloat16"
-    tolerance = 0.03
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     kept, cfg = {}, None
     for layers in (1, 2):
@@ -95,15 +100,15 @@ def test_activations_per_layer_are_what_autograd_keeps(preset, variant, dtype):
         for mode in plan.RECOMPUTE_MODES:
             model = BeliefLM(cfg, VOCAB, recompute=mode).to(getattr(torch, dtype)).train()
             with torch.no_grad():
-                model(tokens)  # RoPE's cached angles are made once, not per step
+                model(tokens)  # warm-up: what a first forward allocates once is not counted
             kept[layers, mode] = kept_after_forward(model, tokens)
     for mode in plan.RECOMPUTE_MODES:
         measured = (kept[2, mode] - kept[1, mode]) / (SEQ * BATCH)
-        predicted = plan.layer_activations(cfg, 1, mode, bf16)
+        predicted = plan.layer_activations(cfg, 1, mode, bf16, micro_batch=BATCH)
         # a checkpoint also keeps the RNG state (5 KB: 40 bytes a token here)
-        assert predicted == pytest.approx(measured, rel=tolerance, abs=48), mode
+        assert predicted == pytest.approx(measured, rel=layer_tolerance(variant), abs=48), mode
     head = (2 * kept[1, "none"] - kept[2, "none"]) / (SEQ * BATCH)  # all but the layers
-    assert plan.head_activations(cfg, VOCAB, 1, bf16) == pytest.approx(head, rel=0.03)
+    assert plan.head_activations(cfg, VOCAB, 1, bf16) == pytest.approx(head, rel=0.01)
 
 
 @pytest.mark.usefixtures("single_process_group")
@@ -138,16 +143,40 @@ def test_sequence_parallel_splits_what_lies_outside_the_tensor_parallel_region()
     for tensor in (2, 4, 8):
         saved = layer_saved(model, tensor, True)
         split = sum(e.bytes(True) for e in saved if e.sequence_split and "none" in e.kept_under)
-        plain = plan.layer_activations(model, tensor, "none", True)
-        sequence_parallel = plan.layer_activations(model, tensor, "none", True, True)
+        plain = plan.layer_activations(model, tensor, "none", True, micro_batch=1)
+        sequence_parallel = plan.layer_activations(model, tensor, "none", True, True, micro_batch=1)
         assert split > 0
         assert sequence_parallel == pytest.approx(plain - split * (1 - 1 / tensor))
-        full = plan.layer_activations(model, tensor, "full", True, True)  # the input alone
-        assert full == pytest.approx(plan.layer_activations(model, tensor, "full", True) / tensor)
+        full = plan.layer_activations(model, tensor, "full", True, True, micro_batch=1)
+        plain_full = plan.layer_activations(model, tensor, "full", True, micro_batch=1)
+        assert full == pytest.approx(plain_full / tensor)  # the input alone
         head, head_split = (
             plan.head_activations(model, 128_256, tensor, True, False, sp) for sp in (False, True)
         )
         assert head_split < head and head - head_split < 8 * model.hidden_size
+
+
+def test_ropes_cos_and_sin_are_kept_per_position():
+    """Each layer keeps RoPE's cos and sin for Q and for K (4 x [s, 1, 1, head_dim] in the
+    model's dtype, whole on every tensor-parallel rank): the micro-batch's rows share them,
+    so per token they weigh 1/micro_batch; under the document mask (angles at each row's
+    own positions) they are per token; learned positions keep none."""
+    llama = load_config("configs/model/llama-8b.yaml").model
+    per_position = 4 * llama.head_dim * 2  # bf16
+    for tensor, sequence_parallel in ((1, False), (4, False), (4, True)):
+        one, four = (
+            plan.layer_activations(llama, tensor, "none", True, sequence_parallel, micro_batch=m)
+            for m in (1, 4)
+        )
+        assert one - four == pytest.approx(per_position * (1 - 1 / 4))
+    documents = llama.model_copy(update={"attention_mask": "document"})
+    per_micro_batch = {plan.layer_activations(documents, 4, "none", True, micro_batch=m)
+                       for m in (1, 4)}  # fmt: skip
+    assert per_micro_batch == {plan.layer_activations(llama, 4, "none", True, micro_batch=1)}
+    gpt2 = load_config("configs/model/gpt2-124m.yaml").model
+    per_micro_batch = {plan.layer_activations(gpt2, 4, "none", True, micro_batch=m)
+                       for m in (1, 4)}  # fmt: skip
+    assert len(per_micro_batch) == 1
 
 
 def test_plan_turns_sequence_parallel_on_per_layout(capsys):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from belief_lm.model.gpt import BeliefLM
+from belief_lm.model.loss import IGNORE_INDEX, lm_loss
 from belief_lm.parallel.gather import count_model_parameters
 from bench.step_overhead import (
     ATTENTIONS,
@@ -18,6 +19,7 @@ from bench.step_overhead import (
     PlainLM,
     comparison_config,
     side_by_side,
+    torch_cross_entropy,
 )
 
 SMALL = ["model.num_layers=1", "model.seq_length=32"]
@@ -56,3 +58,22 @@ def test_side_by_side_steps_and_profiles_both_loops(single_process_group):
     assert plain["phases_s"]["guard"] == 0 and plain["phases_s"]["backward"] > 0
     assert sum(ours["phases_s"].values()) == pytest.approx(ours["step_s"])
     assert ours["top_ops"] and all(op["self_s"] >= 0 for op in ours["top_ops"])
+
+
+def test_torch_loss_is_belief_lms_loss(single_process_group):
+    """--torch-loss measures the same loss: F.cross_entropy over [seq, batch, vocab]
+    logits is lm_loss's value and gradient, ignored labels left out; a z-loss refused."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 3, 50, generator=gen)
+    labels = torch.randint(50, (3, 8), generator=gen)
+    labels[1, 2:] = IGNORE_INDEX
+    grads = []
+    for loss_of in (lm_loss, torch_cross_entropy):
+        leaf = logits.clone().requires_grad_()
+        loss = loss_of(leaf, labels).loss
+        loss.backward()
+        grads.append((loss.detach(), leaf.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1])
+    with pytest.raises(SystemExit, match="z_loss"):
+        torch_cross_entropy(logits, labels, z_loss=0.01)

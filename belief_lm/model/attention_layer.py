@@ -136,11 +136,10 @@ class FamilyCoreAttention(MegatronModule):
             softmax_scale=self.softmax_scale, cache=cache, step=step, documents=documents,
         )  # fmt: skip
         h = h.permute(2, 0, 1, 3)  # [s, b, heads, d]
-        v_heads = family.heads_from_groups(value, query.shape[2], dim=2)  # V_m of each head
         if not self.training and (captured := CAPTURE.get()) is not None:
             captured[self.layer_number] = {
                 "mh": h.flatten(2).detach(),
-                "v": v_heads.flatten(2).detach(),
+                "v": family.heads_from_groups(value, query.shape[2], dim=2).flatten(2).detach(),
                 "max_logit": family.max_logit(
                     q,
                     k,
@@ -150,6 +149,9 @@ class FamilyCoreAttention(MegatronModule):
                     softmax_scale=self.softmax_scale,
                 ),
             }
+        if self.residual == "mh":  # the heads' outputs as they are: no V_m of each head
+            return h.flatten(2)
+        v_heads = family.heads_from_groups(value, query.shape[2], dim=2)  # V_m of each head
         return family.residual_signal(
             h, v_heads, self.residual, self.gamma, self.shard_sum, self.fused
         )

@@ -73,11 +73,15 @@ def transformer_config(
     (parallel.sequence_parallel, resolved) counts only at tensor_parallel > 1.
 
     Fusions that need apex/TransformerEngine stay off (they are CUDA-only and optional);
+    megatron's unfused RoPE runs without its passes that change nothing
+    (compat.lean_rotary_embedding);
     pipeline_model_parallel_size stays 1 because DeepSpeed owns the pipeline (otherwise
     TransformerLayer offsets layer numbers by the pipeline rank).
     """
     swiglu = cfg.activation == "swiglu"
     sequence_parallel = sequence_parallel and tensor_parallel > 1
+    if cfg.position_embedding == "rope":
+        compat.lean_rotary_embedding()
     if sequence_parallel:
         compat.megatron_collectives_on_host()
         compat.untracked_dropout_rng()

@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntrop
 from megatron.core.tensor_parallel.utils import VocabUtility
 from torch import Tensor
 
-from belief_lm.parallel.collectives import TensorParallelPlace
+from belief_lm.parallel.collectives import TensorParallelPlace, all_reduce_unless_alone
 
 IGNORE_INDEX = -100
 """A label not trained on (padding at an epoch's end): torch's ignore_index convention,
@@ -71,7 +71,7 @@ class CrossEntropyAndLogSumExp(torch.autograd.Function):
         steps, place = VocabParallelCrossEntropy, TensorParallelPlace.here()
         group = place.group
         logits, logits_max = steps.calculate_logits_max(logits)
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_unless_alone(logits_max, dist.ReduceOp.MAX, group)
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
             logits.shape[-1], place.rank, place.size
         )
@@ -79,7 +79,7 @@ class CrossEntropyAndLogSumExp(torch.autograd.Function):
             steps.calculate_predicted_logits(logits, target, logits_max, start, end)
         )
         sums = torch.stack((predicted, sum_exp))  # both summed over the shards at once
-        dist.all_reduce(sums, group=group)
+        all_reduce_unless_alone(sums, group=group)
         predicted, sum_exp = sums
         softmax, loss = steps.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
         ctx.save_for_backward(softmax, target_mask, masked_target)

@@ -1,7 +1,8 @@
 """Collectives: the sums the model is handed (our attention never looks up process groups
 itself), the tensor-parallel place its vocab-parallel loss runs in (inside megatron's
 output layer, whose group it shares), and where a tensor must be to go through a group.
-(Waiting for rank 0's one-off work is the process grid's: belief_lm.parallel.grid.)"""
+An all-reduce over a group of one rank is skipped (`all_reduce_unless_alone`). (Waiting
+for rank 0's one-off work is the process grid's: belief_lm.parallel.grid.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,21 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from belief_lm.attention import ShardSum
+
+
+def all_reduce_unless_alone(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """dist.all_reduce of `tensor` in place over `group` (None: the whole job), skipped
+    where the group has one rank or no process group exists: a reduction over one rank
+    returns the tensor as it is, bit for bit, but still calls the backend (gloo's
+    thread hand-off on a CPU; a kernel and a stream wait with NCCL). One process trains
+    with groups of one everywhere (TP=1, DP=1). Every member of a group decides alike, so
+    collectives still pair up across ranks."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
 
 
 def tensor_parallel_sum(group: dist.ProcessGroup | None) -> ShardSum | None:

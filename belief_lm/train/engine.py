@@ -31,6 +31,7 @@ from belief_lm import compat
 from belief_lm.config import Config
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.model.loss import IGNORE_INDEX
+from belief_lm.parallel.collectives import all_reduce_unless_alone
 from belief_lm.parallel.gather import count_model_parameters, counted_once
 from belief_lm.parallel.grid import ProcessGrid
 from belief_lm.train.optim import GuardedAdamW, Update, build_optimizer
@@ -289,5 +290,5 @@ def global_grad_norm(params: list[torch.nn.Parameter], norms: list[torch.Tensor]
     squares = torch.zeros((), dtype=torch.float32, device=device)
     if counted:  # torch.nn.utils.get_total_norm's sum of the same norms
         squares = torch.linalg.vector_norm(torch.stack(counted)).float().square()
-    torch.distributed.all_reduce(squares, group=mpu.get_model_parallel_group())
+    all_reduce_unless_alone(squares, group=mpu.get_model_parallel_group())
     return float(squares.sqrt())

@@ -15,6 +15,7 @@ from torch.profiler import record_function
 
 from belief_lm import compat
 from belief_lm.config import TrainConfig
+from belief_lm.parallel.collectives import all_reduce_unless_alone
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -146,8 +147,7 @@ class GuardedAdamW(torch.optim.AdamW):
             if norms:  # torch.nn.utils.get_total_norm of the gradients, finite or not
                 total = torch.linalg.vector_norm(torch.stack(norms))
                 flags[0] = torch.isfinite(total).logical_not()
-            if dist.is_initialized():
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            all_reduce_unless_alone(flags, dist.ReduceOp.MAX)
             nonfinite, vetoed = flags.tolist()  # host-device sync, once per optimizer step
             self._update = Update(nonfinite=bool(nonfinite), vetoed=bool(vetoed))
         if self._update.skipped:

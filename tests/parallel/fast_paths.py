@@ -65,7 +65,7 @@ def kept_at(tensor_parallel: int) -> dict:
                     sequence_parallel=sequence_parallel,
                 ).to(getattr(torch, dtype)).train()  # fmt: skip
                 with torch.no_grad():
-                    model(rows)  # RoPE's cached angles are made once, not per step
+                    model(rows)  # warm-up: what a first forward allocates once is not counted
                 key = (variant, dtype, sequence_parallel, layers, mode)
                 kept[key] = saved_by_autograd(model, rows)
     return kept

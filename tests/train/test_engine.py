@@ -137,6 +137,21 @@ def test_zero0_clips_once_and_reports_the_norm_before(single_process_group):
     trainee.engine.destroy()
 
 
+def test_a_step_alone_calls_no_collective(single_process_group, monkeypatch):
+    """One process at ZeRO-0 (every group of one rank): a step with the z-loss and
+    clipping calls no all-reduce (the cross entropy's maximum and sums, the clipping norm,
+    the non-finite verdict: collectives.all_reduce_unless_alone), and its loss is the
+    whole batch's."""
+    cfg = config(4, 0.01, "parallel.zero_stage=0")
+    trainee = trainee_for(cfg, single_process_group, VOCAB)
+    calls = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: calls.append(a))
+    done = trainee.train_step(iter([unequal_step()]))
+    trainee.engine.destroy()
+    assert calls == []
+    assert done.loss.item() == pytest.approx(whole_batch(z_loss=0.01)[0], rel=1e-6)
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_bf16_nonfinite_step_is_skipped_whole_after_one_pass(single_process_group, zero_stage):
     """In bf16 at ZeRO-0/1/2 a step with a NaN or an infinite gradient in one tensor is
