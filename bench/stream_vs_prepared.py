@@ -5,11 +5,13 @@
 For each corpus, `configs/tiny.yaml` (16 sequences of 128 tokens a step, lr 3e-3 -> 3e-4
 cosine, 30 warmup steps) trained for --steps steps (2+ epochs) from the same seed and
 tokenizer on the same training documents (the id-hash split holds out the same ones), in
-each of three orders:
+each of these orders:
   streamed      the streaming pipeline as configured (data.open_documents=8: each reader
                 draws every window from one of 8 open documents);
   one document  data.open_documents=1: each reader's windows one document after another
                 (the order before data.open_documents);
+  24 open       data.open_documents=24: a document's windows spread over 3 times as many
+                steps;
   prepared      `belief-lm prepare`, then data.sources=[prepared:DIR]: megatron-core's
                 GPTDataset, samples shuffled globally.
 Corpora:
@@ -55,6 +57,7 @@ WARMUP = 30
 ORDERS = {
     "streamed": [],
     "one document": ["data.open_documents=1"],
+    "24 open": ["data.open_documents=24"],
     "prepared": None,  # data.sources=[prepared:DIR]
 }
 LONG = {"documents": 250, "median_chars": 4500}
