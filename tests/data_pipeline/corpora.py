@@ -49,6 +49,11 @@ configs:
 """
 
 
+NEVER = 20_000
+"""Steps after which a loop waiting for the data to get somewhere fails instead of hanging
+the suite (the longest waits take a few thousand)."""
+
+
 def texts(n: int, offset: int = 0, chars: int = 1500) -> list[str]:
     """n distinct real-prose documents (from the embedded corpus, cut to keep tests fast)."""
     docs = embedded_documents()

@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from corpora import step_origins, step_windows
+from corpora import NEVER, step_origins, step_windows
 
 from data_pipeline.build import build_train_data
 from data_pipeline.loader import Collective
@@ -66,6 +66,7 @@ class Ranks:
         deal = datas[0].schedule.deals[0]
         batches, epoch = [], deal.oldest_epoch()
         while not batches or deal.oldest_epoch() == epoch:
+            assert len(batches) < NEVER, f"epoch {epoch} not read whole in {NEVER} steps"
             batches += self.steps(datas, 1)
         return batches
 

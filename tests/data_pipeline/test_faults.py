@@ -16,6 +16,7 @@ import pytest
 import torch
 from corpora import (
     FINEWEB_SCHEMA,
+    NEVER,
     corrupt_row_group,
     fineweb_rows,
     read_documents,
@@ -52,6 +53,7 @@ def one_epoch(data, tokenizer):
     """The data health once epoch 0 was read whole (streams have begun the next one)."""
     batches = build_train_data(data, tokenizer, 32, 4, 4, 0, 1, CPU)
     while batches.schedule.deals[0].oldest_epoch() == 0:
+        assert batches.step < NEVER
         take(batches, 1)
     take(batches, 1)  # (the step judged on the whole epoch's counts)
     return batches.stats()

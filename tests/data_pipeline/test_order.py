@@ -6,6 +6,7 @@ import json
 
 import pytest
 from corpora import (
+    NEVER,
     documents_per_step,
     expected_documents,
     long_document_rows,
@@ -64,6 +65,7 @@ def test_consecutive_windows_and_each_step_draw_on_many_documents(
     deals = datas[0].schedule.deals
     steps, counted, turn = [], [], None
     while any(deal.oldest_epoch() == 0 for deal in deals):
+        assert len(steps) < NEVER
         steps += group.steps(datas, 1)
         counted.append(datas[0].stats()["data/documents_per_step"])
         turn = turn or (len(steps) if deals[0].epoch else None)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from corpora import read_documents, source, write_openwebtext_jsonl
+from corpora import NEVER, read_documents, source, write_openwebtext_jsonl
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from ranks import Ranks, resumed
 
@@ -113,6 +113,7 @@ def test_a_prepared_state_continues_at_another_data_parallel_size_across_epochs(
     datas = single.build(data, embedded_tokenizer, 32, global_batch=8, micro=2)
     reference = []
     while datas[0].schedule.deals[0].epoch == 0:
+        assert len(reference) < NEVER
         reference += single.steps(datas, 1)
     stop = len(reference) - 1
     reference += single.steps(datas, 5)

@@ -40,6 +40,7 @@ def test_each_epoch_deals_every_unit_once_and_the_next_follows_without_a_tail():
     read = {0: [], 1: [], 2: []}  # per epoch, the units streams passed
     turns, overlapped, step = [], False, 0
     while deal.oldest_epoch() < 3:
+        assert step < 2000  # (a schedule that never turns must fail, not hang)
         before = deal.positions[:, UNIT].copy()
         entries = [(list(e), base) for e, base in zip(deal.lists, deal.bases, strict=True)]
         overlapped |= any(len({x // len(sizes) for x in e}) > 1 for e, _ in entries)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from corpora import (
     EOS,
+    NEVER,
     documents_per_step,
     documents_so_far,
     each_once,
@@ -116,6 +117,7 @@ def test_heavy_tailed_documents_each_once_an_epoch_without_padding(
     datas = group.build(data, embedded_tokenizer, seq, readers * per_reader, readers * per_reader)
     steps, turns = [], []
     while datas[0].schedule.deals[0].epoch < 2:
+        assert len(steps) < NEVER
         epoch = datas[0].schedule.deals[0].epoch
         steps += group.steps(datas, 1)
         if datas[0].schedule.deals[0].epoch > epoch:
@@ -141,6 +143,7 @@ def test_each_unit_is_tallied_once(heavy_tailed, embedded_tokenizer, readers, ra
     datas = group.build(data, embedded_tokenizer, 32, readers, readers)
     deal = datas[0].schedule.deals[0]
     while deal.positions[:, UNIT].sum() <= len(deal.sizes):  # into epoch 1's units
+        assert datas[0].step < NEVER
         group.steps(datas, 1)
     totals = datas[0].totals[0]
     assert totals["units"] == deal.positions[:, UNIT].sum()
@@ -197,6 +200,7 @@ def test_a_state_continues_exactly_at_another_data_parallel_size(
     deal = datas[0].schedule.deals[0]
     reference = []
     while deal.epoch == 0:
+        assert len(reference) < NEVER
         reference += single.steps(datas, 1)
     turned = len(reference)  # the first step whose schedule holds epoch 1's units
     reference += single.epoch(datas) + single.steps(datas, 6)  # epoch 0 read, then on
@@ -227,6 +231,7 @@ def test_heavy_tailed_data_continues_exactly_on_two_one_and_four_ranks(
     datas = single.build(data, embedded_tokenizer, SEQ, 64, 64)
     reference = []
     while not reference or datas[0].schedule.deals[0].epoch == 0:
+        assert len(reference) < NEVER
         reference += single.steps(datas, 1)
     stop = len(reference) + 3  # three steps after the turn
     reference += single.steps(datas, 9)
@@ -444,6 +449,7 @@ def test_stats_count_rows_documents_skips_and_tokens(tmp_path, embedded_tokenize
     assert stats["data/0/rows"] >= stats["data/0/documents"] > 0
     assert stats["data/0/tokens"] == 3 * 2 * (SEQ + 1) and stats["data/0/epoch"] == 0
     while batches.totals[0]["units"] < len(batches.units[0]):  # the whole file once
+        assert batches.step < NEVER
         take(batches, 1)
     stats = batches.stats()
     assert stats["data/0/rows"] - stats["data/0/documents"] == 1 and stats["data/0/rows"] >= 60
