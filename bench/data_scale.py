@@ -16,7 +16,8 @@ window per reader a step:
   resume_s      a fresh TrainData that loads the state saved after 3 steps, and its first
                 step (tokenizing excluded, as overhead_s);
   step_s        a later step (the median of 5), tokenizing included;
-  epoch_turn_s  a new epoch's order and first deal (SourceDeal.begin) on the run's schedule;
+  epoch_turn_s  a new epoch's order (its units are then dealt as the streams need them, as
+                any others: epochs overlap at the turn);
   peak_rss_mb   the process's largest resident memory; state_kb, the data state's size;
                 report_kb, the integers summed over the ranks each step (positions and
                 counts), as int64.
@@ -91,6 +92,7 @@ def measure(folder: Path, readers: int, cache: str, open_documents: int) -> dict
     from data_pipeline.build import build_tokenizer, build_train_data, check_data
     from data_pipeline.config import DataConfig
     from data_pipeline.loader import report_length
+    from data_pipeline.stream import epoch_order
 
     data = DataConfig(
         sources=[{"uri": f"{folder}/*.parquet", "id_column": "id"}], readers=readers,
@@ -128,7 +130,7 @@ def measure(folder: Path, readers: int, cache: str, open_documents: int) -> dict
     resume = time.perf_counter() - started - tokenizer.seconds
     deal = train.schedule.deals[0]
     started = time.perf_counter()
-    deal.begin(deal.epoch + 1, train.step)
+    epoch_order(len(deal.sizes), data.seed, deal.epoch + 1)  # then dealt as streams need units
     turn = time.perf_counter() - started
     return {
         "readers": readers,
