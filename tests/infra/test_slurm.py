@@ -364,8 +364,12 @@ def test_a_job_requeued_onto_fewer_nodes_continues_the_run(
     stopped = int(re.search(STOPPED, text, re.M)[1])
     resumed = losses(run_dir)
     assert sorted(resumed) == list(range(1, STEPS + 1))  # no step lost or repeated
+    # data-parallel size 1 sums the same gradients in another order, and where the gradient
+    # is clipped the scale differs a little: fp32's differences grow over the steps after the
+    # resume (1.5e-5 at the first, 4e-4 by step 50 in one run; the same windows, by the data
+    # counts). A wrong window moves a step's loss by far more.
     for step in range(stopped + 1, STEPS + 1):
-        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-3), step
 
 
 def kill_rank_one(run_dir: Path, log: Path, rows: int, sig: int = signal.SIGKILL) -> None:
