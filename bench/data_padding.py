@@ -107,10 +107,10 @@ def two_turns(data, tokenizer, readers: int, seq_len: int) -> dict:
 def diversity(origins: list, turns: list[int]) -> dict:
     """Documents per step and repeats (see the module docstring), from the windows'
     origins; `turns`: the steps at which an epoch's dealing began."""
-    from corpora import documents_per_step, repeats
+    from corpora import around_turns, documents_per_step, repeats
 
     per_step = documents_per_step(origins)
-    around = [per_step[i] for t in turns for i in range(max(t - 5, 0), min(t + 5, len(per_step)))]
+    around = around_turns(per_step, turns)
     windows = sum(bool(origin[5]) for step in origins[1:] for origin in step)
     return {
         "documents_per_step": round(sum(per_step) / len(per_step), 2),

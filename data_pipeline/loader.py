@@ -620,6 +620,10 @@ class TrainData:
         return health
 
 
+FORMAT3_AHEAD = 4
+"""The column of a format-3 position that said how much an epoch's tail had left."""
+
+
 def one_document_state(state: dict, lanes: int) -> dict:
     """A data state of format 2 (a stream held one document: `(unit, row, token,
     unit_tokens, unit_bad, ahead)` per stream) as one of format 3 for streams of `lanes`
@@ -633,13 +637,10 @@ def one_document_state(state: dict, lanes: int) -> dict:
             begun = int(token > 0)
             lane = ((0, unit, row, token),) if begun else ()
             position = Position(unit, row + begun, unit_tokens, unit_bad, -begun, lanes=lane)
-            packed.append([*position.pack(lanes)[:4], ahead, *position.pack(lanes)[4:]])
+            values = position.pack(lanes)
+            packed.append([*values[:FORMAT3_AHEAD], ahead, *values[FORMAT3_AHEAD:]])
         deal["positions"] = np.array(packed, dtype=np.int64)
     return {**state, "format": 3}
-
-
-FORMAT3_AHEAD = 4
-"""The column of a format-3 position that said how much an epoch's tail had left."""
 
 
 def overlapping_state(state: dict, units: Sequence[int]) -> dict:

@@ -184,12 +184,14 @@ class SourceDeal:
             needy = needy[remaining[needy] < need[needy]]
         return turned
 
-    def _drop_passed(self, h: int) -> None:
-        """Forget stream h's entries before its cursor and every open document."""
-        lanes = self.positions[h, LANE_UNITS]
-        first = min([self.positions[h, UNIT], *lanes[lanes >= 0].tolist()])
-        drop = int(first - self.bases[h])
-        if drop > 0:
+    def _drop_passed(self, streams: np.ndarray) -> None:
+        """Forget the entries of `streams` (a mask) before their cursor and every open
+        document."""
+        lanes = self.positions[:, LANE_UNITS]
+        opened = np.where(lanes >= 0, lanes, np.iinfo(np.int64).max).min(axis=1)
+        first = np.minimum(self.positions[:, UNIT], opened)
+        for h in np.nonzero(streams & (first > self.bases))[0]:
+            drop = int(first[h] - self.bases[h])
             size = self._size(self.lists[h][:drop])
             self.lists[h] = self.lists[h][drop:]
             self.bases[h] += drop
@@ -210,8 +212,7 @@ class SourceDeal:
         self.finished_tokens += tokens
         self.finished_rows += rows
         self.positions[reported] = positions[reported]
-        for h in np.nonzero(reported)[0]:
-            self._drop_passed(int(h))
+        self._drop_passed(reported)
         return self.hand_out()
 
     def oldest_epoch(self) -> int:

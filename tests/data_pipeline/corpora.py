@@ -257,6 +257,13 @@ def documents_per_step(origins: list) -> list[int]:
     return [len(set().union(*map(window_documents, step))) for step in origins]
 
 
+def around_turns(per_step: list, turns: list[int], reach: int = 5) -> list:
+    """The values of the steps within `reach` of each turn (a step index)."""
+    return [
+        per_step[i] for t in turns for i in range(max(t - reach, 0), min(t + reach, len(per_step)))
+    ]
+
+
 def repeats(origins: list) -> list[int]:
     """Per step after the first, the readers (one window each a step) whose window holds a
     token of a document their previous window held."""

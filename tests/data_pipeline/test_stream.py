@@ -15,6 +15,7 @@ import torch
 from corpora import (
     EOS,
     NEVER,
+    around_turns,
     documents_per_step,
     documents_so_far,
     each_once,
@@ -126,7 +127,7 @@ def test_heavy_tailed_documents_each_once_an_epoch_without_padding(
     each_once(expected, *documents_so_far(steps, group.origins, epoch=0))
     assert padding(steps, seq) == 0
     documents = documents_per_step(group.origins)
-    around = [documents[i] for t in turns for i in range(t - 5, min(t + 5, len(documents)))]
+    around = around_turns(documents, turns)
     assert min(documents) >= readers  # a stream, and a document of its own, for each reader
     assert sum(around) / len(around) >= 0.8 * sum(documents) / len(documents), around
     for d in datas:
