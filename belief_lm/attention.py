@@ -75,7 +75,7 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def _steps(fused: bool) -> tuple[Callable, Callable]:
+def projection_steps(fused: bool) -> tuple[Callable, Callable]:
     """The two steps, plain or compiled. Compiled (torch.compile / Inductor), each is one
     kernel instead of a chain of elementwise ops and reductions over the activations: the
     same math, faster where memory bandwidth is the limit. The plain path is the reference
@@ -94,7 +94,7 @@ def global_orthogonal_residual(
     concatenated. Under tensor parallelism it holds only this rank's heads and `shard_sum`
     adds the other ranks' partial inner products (one all-reduce of a [..., 2] tensor).
     """
-    inner_products, remove_component = _steps(fused)
+    inner_products, remove_component = projection_steps(fused)
     dots = inner_products(mh, v)
     if shard_sum is not None:
         dots = shard_sum(dots)
@@ -106,7 +106,7 @@ def per_head_orthogonal_residual(h: Tensor, v: Tensor, fused: bool = False) -> T
 
     `h` and `v` have shape [..., heads, head_dim]; with GQA pass each head's group value.
     """
-    inner_products, remove_component = _steps(fused)
+    inner_products, remove_component = projection_steps(fused)
     return remove_component(h, v, inner_products(h, v))
 
 

@@ -6,8 +6,9 @@ Each reach says what it assumes and why we need it; `tests/test_compat.py` and
 an upgrade that breaks one fails there, naming it, rather than somewhere in training.
 
 torch: the multi-tensor in-place multiply (`_foreach_mul_`) our gradient clipping scales
-with, and the CUDA allocator's history (`torch.cuda.memory._record_memory_history`,
-`_dump_snapshot`) a profiled step records.
+with, the CUDA allocator's history (`torch.cuda.memory._record_memory_history`,
+`_dump_snapshot`) a profiled step records, and the rates a learning-rate scheduler reports
+(`_last_lr`), which a branch replaces between steps.
 
 torch.distributed:
 - The timeout of process groups made without one. torch gives every group made by
@@ -80,6 +81,13 @@ def dump_memory_history(path: str) -> None:
     pytorch.org/memory_viz), then stop recording."""
     torch.cuda.memory._dump_snapshot(path)
     torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, rates: list[float]) -> None:
+    """Make `scheduler.get_last_lr()` (and the state a checkpoint saves) the `rates` its
+    optimizer's groups were just given outside a `step()` (belief_lm.train.branch replaces a
+    restored schedule): torch keeps them in `_last_lr`, which only `step()` sets."""
+    scheduler._last_lr = list(rates)
 
 
 # torch.distributed -----------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -34,14 +35,39 @@ def main() -> None:
     parser.add_argument("--output", default="bench/results/cooldowns_cpu.json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    root, last = Path(args.root), max(args.points)
-    common = [*args.overrides, "train.eval_interval=1000000", "train.eval_batches=4"]
+    ladder = run_ladder(
+        args.config, args.variants, args.points, args.cooldown, Path(args.root), args.overrides
+    )
+    output = Path(args.output)
+    write_result(output, {"config": args.config, "overrides": args.overrides,
+                          "cooldown_steps": args.cooldown, "ladder": ladder,
+                          "note": "shared 2-core machine"}, torch.device("cpu"))  # fmt: skip
+    plot(ladder, output.with_suffix(".png"))
+
+
+def run_ladder(
+    config: str,
+    variants: list[str],
+    points: list[int],
+    cooldown: int,
+    root: Path,
+    overrides: list[str],
+) -> dict[str, list[dict]]:
+    """Per variant, a constant-rate run to the last of `points` under `root/<variant>/stable`
+    (a checkpoint at each point), then from each point a `cooldown`-step linear decay to
+    train.min_lr (`root/<variant>/cool<point>`); each cooldown's end as {branch_step, steps,
+    tokens, val_loss, train_loss}. `overrides` apply to every run (after the ladder's
+    evaluation settings, which they may change)."""
+    last = max(points)
+    # a checkpoint at every branch point and no others (a paper config's are large)
+    interval = math.gcd(*points)
+    common = ["train.eval_interval=1000000", "train.eval_batches=4", *overrides]
     ladder: dict[str, list[dict]] = {}
-    for variant in args.variants:
+    for variant in variants:
         stable = root / variant / "stable"
         train(
             load_config(
-                args.config,
+                config,
                 [
                     *common,
                     f"model.attention={variant}",
@@ -49,20 +75,20 @@ def main() -> None:
                     "train.lr_schedule=constant",
                     f"train.max_steps={last}",
                     f"train.decay_steps={last}",
-                    "checkpoint.interval=1",
-                    f"checkpoint.keep={last}",
+                    f"checkpoint.interval={interval}",
+                    f"checkpoint.keep={last // interval}",
                 ],
             )
         )
         ladder[variant] = []
-        for point in args.points:
-            end = point + args.cooldown
-            cfg = load_config(args.config, [
+        for point in points:
+            end = point + cooldown
+            cfg = load_config(config, [
                 *common, f"model.attention={variant}",
                 f"run.output_dir={root / variant / f'cool{point}'}",
                 f"checkpoint.branch={stable / 'checkpoints' / f'step_{point:06d}'}",
                 "train.lr_schedule=wsd", f"train.max_steps={end}", f"train.decay_steps={end}",
-                f"train.wsd_decay_steps={args.cooldown}", "train.wsd_decay_shape=linear",
+                f"train.wsd_decay_steps={cooldown}", "train.wsd_decay_shape=linear",
                 "checkpoint.save_at_end=false",
             ])  # fmt: skip
             result = train(cfg)
@@ -72,11 +98,7 @@ def main() -> None:
                  "val_loss": result.val_losses[end], "train_loss": result.losses.get(end)}
             )  # fmt: skip
             print(json.dumps({"variant": variant, **ladder[variant][-1]}))
-    output = Path(args.output)
-    write_result(output, {"config": args.config, "overrides": args.overrides,
-                          "cooldown_steps": args.cooldown, "ladder": ladder,
-                          "note": "shared 2-core machine"}, torch.device("cpu"))  # fmt: skip
-    plot(ladder, output.with_suffix(".png"))
+    return ladder
 
 
 def plot(ladder: dict[str, list[dict]], path: Path) -> None:

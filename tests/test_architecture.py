@@ -177,7 +177,8 @@ against the installed versions by tests/test_compat.py."""
 def library_private_reaches(path: Path) -> list[str]:
     """Where `path` reaches a private name of torch, DeepSpeed or megatron-core through a
     name it imported: `from torch.x import _y`, `torch.cuda.memory._record_memory_history`,
-    `ps._TENSOR_MODEL_PARALLEL_GROUP` (attributes of objects those return are not seen)."""
+    `ps._TENSOR_MODEL_PARALLEL_GROUP` (attributes of objects those return:
+    private_attribute_reaches)."""
     tree = ast.parse(path.read_text())
     bound = imported(tree, LIBRARIES, lambda module: module.split(".")[0] in LIBRARIES)
     found = {(line, name) for name, line in bound.values()}  # the imports themselves,
@@ -194,19 +195,23 @@ def library_private_reaches(path: Path) -> list[str]:
     return [f"line {line}: {name}" for line, name in sorted(private)]
 
 
+COMPAT = ROOT / "belief_lm" / "compat.py"
+"""The one module that reaches the libraries' private parts."""
+
+
+def outside_compat(check) -> dict[str, list[str]]:
+    """What `check` finds in each source file but compat.py (benchmarks included)."""
+    paths = [p for package in (*PACKAGES, "bench") for p in sources(package) if p != COMPAT]
+    return {str(path.relative_to(ROOT)): found for path in paths if (found := check(path))}
+
+
 def test_only_compat_reaches_the_libraries_private_parts():
     """torch's, DeepSpeed's and megatron-core's private names are reached in
     belief_lm/compat.py alone, where tests/test_compat.py checks each against the installed
     versions (benchmarks included)."""
-    compat = ROOT / "belief_lm" / "compat.py"
-    paths = [p for package in (*PACKAGES, "bench") for p in sources(package) if p != compat]
-    found = {
-        str(path.relative_to(ROOT)): reaches
-        for path in paths
-        if (reaches := library_private_reaches(path))
-    }
+    found = outside_compat(library_private_reaches)
     assert not found, found
-    assert library_private_reaches(compat), "compat.py reaches nothing private: the check is blind"
+    assert library_private_reaches(COMPAT), "compat.py reaches nothing private: the check is blind"
 
 
 def test_the_library_private_check_sees_each_form(tmp_path):
@@ -225,6 +230,58 @@ def test_the_library_private_check_sees_each_form(tmp_path):
         "line 4: torch._dynamo",
         "line 5: megatron.core.parallel_state._GROUP",
         "line 5: torch.cuda.memory._dump_snapshot",
+    ]
+
+
+PYTHON_UNDERSCORE_API = {"_replace", "_fields", "_asdict", "_make", "_field_defaults", "_exit"}
+"""Names with a leading underscore that Python documents as public: namedtuple's methods and
+fields (the underscore keeps them apart from the tuple's own fields) and os._exit."""
+
+
+def private_attribute_reaches(path: Path) -> list[str]:
+    """Where `path` reaches a private attribute of an object other than its own (`self`,
+    `cls`): `scheduler._last_lr`, `self.engine._step`, `getattr(x, "_y")`. What
+    library_private_reaches cannot see (the objects a library's calls return), and our own
+    modules' private parts reached from another module."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            owner, name = node.value, node.attr
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            if (dotted(node.func) or "") not in (*ATTRIBUTE_CALLS, "hasattr"):
+                continue
+            owner, name = node.args[0], getattr(node.args[1], "value", None)
+        else:
+            continue
+        own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+        if is_private(name) and name not in PYTHON_UNDERSCORE_API and not own:
+            found.add((node.lineno, f"{ast.unparse(owner)}.{name}"))
+    return [f"line {line}: {name}" for line, name in sorted(found)]
+
+
+def test_only_compat_reaches_private_attributes_of_other_objects():
+    """No code but compat.py reads or sets a private attribute of an object it was handed or
+    a call returned (a scheduler's, DeepSpeed's engine's, another module's): such a reach
+    breaks silently when the library changes, so it goes through compat.py, whose tests
+    check it against the installed versions (benchmarks included)."""
+    found = outside_compat(private_attribute_reaches)
+    assert not found, found
+
+
+def test_the_private_attribute_check_sees_each_form(tmp_path):
+    code = tmp_path / "x.py"
+    code.write_text(
+        "scheduler._last_lr = [1.0]\n"
+        "self.engine._take_model_step(), self._own, cls._also_own\n"
+        "getattr(optimizer, '_state'), hasattr(value, '_fields'), setattr(x, '_y', 1)\n"
+        "point._replace(x=1), os._exit(0), module.__name__, family._steps(True)\n"
+    )
+    assert private_attribute_reaches(code) == [
+        "line 1: scheduler._last_lr",
+        "line 2: self.engine._take_model_step",
+        "line 3: optimizer._state",
+        "line 3: x._y",
+        "line 4: family._steps",
     ]
 
 

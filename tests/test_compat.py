@@ -29,6 +29,19 @@ def test_torch_norms_each_tensor_of_a_list():
     assert [n.dtype for n in found] == [t.dtype for t in tensors] and compat.norms([]) == []
 
 
+def test_torch_schedulers_report_the_rates_set_between_steps():
+    """compat.set_last_lr (a branch's rates, set between steps): the scheduler reports them
+    and its saved state holds them, until its next step computes its own."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    compat.set_last_lr(scheduler, [0.25])
+    assert scheduler.get_last_lr() == [0.25], "LRScheduler.get_last_lr no longer reads _last_lr"
+    assert scheduler.state_dict()["_last_lr"] == [0.25]
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr() == [0.5]
+
+
 def test_torch_records_and_dumps_the_allocator_history_as_profiling_calls_it():
     """compat.record_memory_history / dump_memory_history's calls, by their signatures (the
     calls themselves need a GPU: tests/train/test_profile.py's GPU test)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from belief_lm import compat
 from belief_lm.config import TrainConfig
 from belief_lm.train.optim import LRSchedule
 
@@ -64,4 +65,4 @@ def take_settings(engine, train: TrainConfig) -> None:
         group["betas"], group["eps"] = (train.beta1, train.beta2), train.eps
         # optim.param_groups: the matrices first, then the biases and gains (never decayed)
         group["weight_decay"] = train.weight_decay if index == 0 else 0.0
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    compat.set_last_lr(scheduler, [group["lr"] for group in optimizer.param_groups])

@@ -8,7 +8,8 @@ and the optimizer step (DeepSpeed's safe_get_full_grad: whole gradients at every
 stage; tensor-parallel shards summed, replicated weights counted once). The first two come
 from the belief diagnostics' forward pass (belief_lm/train/diagnostics.py); a spike step's
 gradient norms are compared with the last diagnostics step's to name the layers whose
-gradient grew most. Logged as `layers/layer{n}/...` in metrics.jsonl and tensorboard.
+gradient grew most. Logged as `layer{n}/...` in metrics.jsonl, under `layers/` in tensorboard
+and W&B.
 """
 
 from __future__ import annotations

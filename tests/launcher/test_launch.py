@@ -272,7 +272,8 @@ def test_launch_branch_starts_ranks_from_the_checkpoints_config(
 ):
     """`launch local|slurm --branch CKPT`: without --config the checkpoint's config.yaml is
     the base (checked before anything starts), and every rank's `train` gets it with
-    checkpoint.branch and resume=auto."""
+    checkpoint.branch and resume=auto; a branch that changes the model is refused before
+    any rank starts or any job is queued (exit 2, naming the key)."""
     branch = [f"run.output_dir={tmp_path / 'branch'}", "train.max_steps=6"]
     code = main(["launch", target, "--dry-run", "--branch", str(trained_checkpoint), *branch])
     out = capsys.readouterr().out
@@ -280,3 +281,8 @@ def test_launch_branch_starts_ranks_from_the_checkpoints_config(
     assert f"--config {trained_checkpoint / 'config.yaml'}" in out
     for override in (f"checkpoint.branch={trained_checkpoint}", "checkpoint.resume=auto", *branch):
         assert override in out, override
+    changed = [*branch, "model.num_layers=3"]
+    code = main(["launch", target, "--dry-run", "--branch", str(trained_checkpoint), *changed])
+    out, err = capsys.readouterr()
+    assert code == exit_codes.BAD_INPUT and out == ""
+    assert "model.num_layers (checkpoint: 2, now: 3)" in err, err

@@ -95,16 +95,27 @@ def test_gradient_norms_and_the_layer_a_spike_names(single_process_group):
 
 
 def test_signals_are_logged_at_the_diagnostics_interval(tmp_path, cache_dir):
-    """Through the training loop: layers/... rows every 2 steps in metrics.jsonl."""
+    """Through the training loop: rows every 2 steps in metrics.jsonl, and the same numbers
+    in tensorboard under layers/."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     overrides = [
         f"run.output_dir={tmp_path}", f"run.cache_dir={cache_dir}", "train.max_steps=4",
         "run.diagnostics_interval=2", "data.num_workers=1", "checkpoint.save_at_end=false",
+        "run.tensorboard=true",
     ]  # fmt: skip
     train(load_config(MICRO, overrides))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     signals = [row for row in rows if "layer1/grad_norm" in row]
     assert [row["step"] for row in signals] == [2, 4], [sorted(r) for r in rows[-3:]]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
     for row in signals:
         for n in (1, 2):
             assert row[f"layer{n}/grad_norm"] > 0 and row[f"layer{n}/output_rms"] > 0
             assert math.isfinite(row[f"layer{n}/max_logit"])
+    for name in ("grad_norm", "output_rms", "max_logit"):
+        for n in (1, 2):
+            logged = {e.step: e.value for e in events.Scalars(f"layers/layer{n}/{name}")}
+            expected = {row["step"]: row[f"layer{n}/{name}"] for row in signals}
+            assert logged == pytest.approx(expected, rel=1e-6)  # (tensorboard keeps float32)
