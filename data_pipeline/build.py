@@ -184,7 +184,7 @@ def build_train_data(
     sources = _open(data, tokenizer, settings)
     units = [_units(source, readers * UNITS_PER_READER, "train") for source in sources]
     slots = ReaderSlots(readers, global_batch_size, dp_rank, dp_size)
-    layout = {  # what the positions in a saved state are positions of
+    basis = {  # what the positions in a saved state are positions of
         "readers": readers,
         "global_batch_size": global_batch_size,
         "seq_len": seq_len,
@@ -199,7 +199,7 @@ def build_train_data(
     }
     return TrainData(
         sources, units, [s.weight for s in data.sources], tokenizer, settings, slots,
-        micro_batch_size, data.num_workers, device, layout,
+        micro_batch_size, data.num_workers, device, basis,
         max_skipped_fraction=data.max_skipped_fraction,
         skip_check_min_rows=data.skip_check_min_rows, collective=collective,
     )  # fmt: skip

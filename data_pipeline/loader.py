@@ -65,7 +65,7 @@ with a token in the step, counted per stream)."""
 HEALTH = COUNTED[: COUNTED.index("labels")]
 """The counts shown as data health (the rest serve the skip check and the padding)."""
 STATE_FORMAT = 4
-"""Version of `state_dict`'s layout (1: per-reader shares, before the schedule; 2: one
+"""Version of `state_dict`'s structure (1: per-reader shares, before the schedule; 2: one
 document open per stream, before its lanes; 3: one epoch's lists at a time, with a tail)."""
 
 
@@ -331,7 +331,7 @@ class TrainData:
         micro_batch_size: int,
         num_workers: int,
         device: torch.device,
-        layout: dict,
+        basis: dict,
         *,
         max_skipped_fraction: float = 1.0,
         skip_check_min_rows: int = 1000,
@@ -348,7 +348,9 @@ class TrainData:
         self.sources, self.units, self.weights = list(sources), list(units), list(weights)
         self.tokenizer, self.settings, self.slots = tokenizer, settings, slots
         self.micro, self.device, self.collective = micro_batch_size, device, collective
-        self.layout = dict(layout)
+        self.basis = dict(basis)
+        """What the positions of a saved state are positions of (readers, batch, sources,
+        their files and units, ...): a state continues only where all of it is the same."""
         self.max_skipped_fraction, self.skip_check_min_rows = (
             max_skipped_fraction,
             skip_check_min_rows,
@@ -555,7 +557,7 @@ class TrainData:
         """The data position after the last complete step: the same on every rank."""
         return {
             "format": STATE_FORMAT,
-            "layout": dict(self.layout),
+            "basis": dict(self.basis),
             "schedule": self.schedule.state_dict(),
             "totals": [dict(t) for t in self.totals],
         }
@@ -573,15 +575,15 @@ class TrainData:
                 "the data state was written by an earlier belief-lm (its readers had fixed "
                 "shares of each epoch); its position cannot be continued by this version"
             )
-        saved = state.get("layout", {})
-        saved.setdefault("open_documents", self.layout["open_documents"])  # (format 2)
+        saved = dict(state.get("basis", state.get("layout", {})))  # ("layout" until format 4)
+        saved.setdefault("open_documents", self.basis["open_documents"])  # (format 2)
         lines_cut = any(
             isinstance(source, Source) and source.cut_at_line_starts(units)
             for source, units in zip(self.sources, self.units, strict=True)
         )
         if "cuts" not in saved and not lines_cut:  # saved before line files were cut at
-            saved = {**saved, "cuts": self.layout["cuts"]}  # line starts: the same cuts
-        for key, value in self.layout.items():
+            saved = {**saved, "cuts": self.basis["cuts"]}  # line starts: the same cuts
+        for key, value in self.basis.items():
             if key == "cuts" and saved.get(key) != value:
                 raise BadDataInput(
                     "data state was saved when the sources' files were cut into other units "

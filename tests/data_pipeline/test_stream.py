@@ -373,7 +373,7 @@ def test_a_state_from_before_line_starts_loads_where_the_cuts_are_the_same(
         saved = build_train_data(data, embedded_tokenizer, SEQ, 4, 2, 0, 1, CPU)
         saved.next_step()
         state = saved.state_dict()
-        del state["layout"]["cuts"]
+        del state["basis"]["cuts"]
         resumed = build_train_data(data, embedded_tokenizer, SEQ, 4, 2, 0, 1, CPU)
         if loads:
             resumed.load_state_dict(state)
@@ -415,6 +415,7 @@ def format_2(state: dict) -> dict:
     whom each reader follows."""
     old = copy.deepcopy(state)
     old["format"] = 2
+    old["layout"] = old.pop("basis")  # (its name before)
     del old["layout"]["open_documents"]
     for deal in old["schedule"]["sources"]:
         entries, lengths, bases = deal.pop("entries"), deal["lengths"], deal.pop("bases")
