@@ -82,7 +82,8 @@ def tp2(tmp_path_factory) -> Path:
 def tp2_pp2_dp2(tmp_path_factory) -> Path:
     """belief_star records at TP=2 x PP=2 x DP=2 (ZeRO-1), checkpointed after its last step
     (8 processes: one run serves the equivalence and the change-of-layout tests), with
-    QK-norm and a z-loss (the z-loss reported through the pipeline engine), and
+    QK-norm and a z-loss over loss chunks (the z-loss reported through the pipeline
+    engine; the chunks over the output stage's all-gathered sequence), and
     belief_star's (with QK-norm and the z-loss too) and attention_bn_sh's under the
     document mask, belief_star's on masked labels (the pipeline's loss_fn weighted by
     tokens), and LAYOUT_VARIANTS' over driver.LONG_STEPS steps."""
@@ -90,7 +91,8 @@ def tp2_pp2_dp2(tmp_path_factory) -> Path:
     documents = ["--documents", "belief_star,attention_bn_sh"]
     return run_driver(
         out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3", "--stability", "belief_star",
-        *documents, "--padded", "belief_star", "--long", ",".join(LAYOUT_VARIANTS),
+        "--chunk", "13", *documents, "--padded", "belief_star",
+        "--long", ",".join(LAYOUT_VARIANTS),
     )  # fmt: skip
 
 
