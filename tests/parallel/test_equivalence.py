@@ -148,10 +148,11 @@ def zero_stages(tmp_path_factory) -> Path:
     """belief_star at TP=2 x DP=2 under ZeRO-0 (in fp32 our optimizer hook clips, with the
     norm's own counting rules: train/engine.py), -1, -2 and -3, one after another in one
     job; under ZeRO-0 also on masked labels at micro-batches of 4, 2 and 1 (accumulation
-    1, 2 and 4); under ZeRO-1 and -2 LAYOUT_VARIANTS over driver.LONG_STEPS steps."""
+    1, 2 and 4); attention_bn_sh under the document mask at every stage; under ZeRO-1 and -2
+    LAYOUT_VARIANTS over driver.LONG_STEPS steps."""
     return run_driver(
         tmp_path_factory.mktemp("zero"), 2, 1, 2, "0,1,2,3", ["belief_star"],
-        "--padded", "belief_star", "--padded-micro", "4,2,1",
+        "--padded", "belief_star", "--padded-micro", "4,2,1", "--documents", "attention_bn_sh",
         "--long", ",".join(LAYOUT_VARIANTS), "--long-zero", "1,2",
     )  # fmt: skip
 
@@ -160,6 +161,15 @@ def zero_stages(tmp_path_factory) -> Path:
 def test_zero_stages_tp2_dp2(reference, zero_stages, zero):
     run = load_run(zero_stages, "belief_star", zero)
     assert_equivalent(run, load_run(reference, "belief_star", 1))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_document_mask_zero_stages_tp2_dp2(reference, zero_stages, zero):
+    """model.attention_mask=document at TP=2 x DP=2 under every ZeRO stage (Attention-BN-SH:
+    its running statistics restart at each document): one process's losses, gradients and
+    weights."""
+    name = "attention_bn_sh-documents"
+    assert_equivalent(load_run(zero_stages, name, zero), load_run(reference, name, 1))
 
 
 @pytest.mark.parametrize("zero", [1, 2])
