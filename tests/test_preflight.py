@@ -87,6 +87,30 @@ def test_config_checks_against_a_world_size(capsys):
     assert main([*args, "--world-size", "2"]) == 0
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train"],
+        ["launch", "slurm", "--dry-run"],
+        ["config"],
+        ["plan", "--gpus", "8", "--gpu-memory-gb", "80"],
+    ],
+    ids=["train", "launch", "config", "plan"],
+)
+def test_a_sequence_that_tensor_parallelism_cannot_split_exits_2(command, capsys, tmp_path):
+    """Sequence parallelism (on at TP > 1) splits each sequence over the tensor-parallel
+    ranks: a sequence length that TP does not divide is refused by every command that reads
+    a config, before any work, naming the keys and the sizes that would work."""
+    run_dir = tmp_path / "run"
+    args = ["--config", "configs/tiny.yaml", "parallel.tensor=4", "model.seq_length=130"]
+    assert main([*command, *args, f"run.output_dir={run_dir}"]) == 2
+    error = capsys.readouterr().err
+    assert "model.seq_length (130) is not divisible by parallel.tensor (4)" in error
+    sizes = "multiple of 4, parallel.tensor to one of [2], or parallel.sequence_parallel=false"
+    assert sizes in error
+    assert not run_dir.exists()
+
+
 def fake_checkpoint(root, cfg, **layout):
     step = root / "checkpoints" / "step_000010"
     step.mkdir(parents=True)

@@ -2,8 +2,8 @@
 
 tests/test_plan.py's count of activations at TP=4, as fast_paths.py counts them at TP=2:
 the bytes each rank's forward saves for backward at one and two layers, for
-fast_paths.ACTIVATION_CASES (every variant with sequence parallelism, two without, two in
-bf16) under each recompute mode, saved to OUT.rank<r>."""
+fast_paths.ACTIVATION_CASES (every variant with sequence parallelism in fp32 and bf16, two
+without) under each recompute mode, saved to OUT.rank<r>."""
 
 import sys
 import warnings

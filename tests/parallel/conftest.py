@@ -33,42 +33,48 @@ def run_driver(
 STABILITY_VARIANTS = ["belief_star", "attention_bn"]
 """Variants trained with QK-norm and a z-loss (driver.STABILITY) in the equivalence jobs:
 the one with most weights, and the one that recentres the normalized queries and keys."""
+LAYOUT_VARIANTS = ["belief_star", "attention_bn_sh"]
+"""Variants trained driver.LONG_STEPS steps at TP=2 x DP=2 (ZeRO-1 and -2) and at TP=2 x
+PP=2 x DP=2: the one with most weights, and the one with every running statistic."""
 GPT2_VARIANTS = ["belief_star"]
 """Variants also trained at the GPT-2 architecture (driver.VARIATIONS: LayerNorm biases,
 learned positions, row-parallel biases) in the TP=1 and TP=2 jobs."""
-NO_SEQUENCE_PARALLEL_VARIANTS = ["belief_star", "attention_sh"]
-"""Variants also trained at TP=2 with parallel.sequence_parallel=false."""
+
+
+def driver_lists() -> tuple[str, ...]:
+    """Every variant, STABILITY_VARIANTS and GPT2_VARIANTS as the driver's comma lists."""
+    from belief_lm.variants import VARIANTS
+
+    return tuple(",".join(names) for names in (VARIANTS, STABILITY_VARIANTS, GPT2_VARIANTS))
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Path:
-    """Single-process (TP=PP=DP=1) records of every variant under the causal and the
-    document mask, of STABILITY_VARIANTS with QK-norm and a z-loss (the plain loss;
-    their document-masked runs with both as well), of GPT2_VARIANTS at the GPT-2
-    architecture, and belief_star's on masked labels (driver --padded: micro-batches of
-    unequal label counts, accumulation 4)."""
-    from belief_lm.variants import VARIANTS
-
-    every, stability, gpt2 = list(VARIANTS), ",".join(STABILITY_VARIANTS), ",".join(GPT2_VARIANTS)
+    """Single-process (TP=PP=DP=1) records of belief_star (the run the other layouts' jobs
+    are held to), of every variant over driver.LONG_STEPS steps (--long) and under the
+    document mask, of STABILITY_VARIANTS with QK-norm and a z-loss (the plain loss; their
+    document-masked runs with both as well), of GPT2_VARIANTS at the GPT-2 architecture,
+    and belief_star's on masked labels (driver --padded: micro-batches of unequal label
+    counts, accumulation 4)."""
+    every, stability, gpt2 = driver_lists()
     return run_driver(
-        tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, every, "--documents", ",".join(every),
-        "--stability", stability, "--padded", "belief_star", "--gpt2", gpt2,
+        tmp_path_factory.mktemp("ref"), 1, 1, 1, 1, ["belief_star"], "--long", every,
+        "--documents", every, "--stability", stability, "--padded", "belief_star", "--gpt2", gpt2,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def tp2(tmp_path_factory) -> Path:
-    """TP=2 records (sequence parallelism on: the default) of every variant under both
-    masks, of STABILITY_VARIANTS with QK-norm and a z-loss over loss chunks, of
-    GPT2_VARIANTS at the GPT-2 architecture, and of NO_SEQUENCE_PARALLEL_VARIANTS with
-    sequence parallelism off (one torchrun: start-up dominates on CPU)."""
-    from belief_lm.variants import VARIANTS
-
-    every, stability, gpt2 = list(VARIANTS), ",".join(STABILITY_VARIANTS), ",".join(GPT2_VARIANTS)
+    """TP=2 records of belief_star (its weights for the TP=1 logits check) and, over
+    driver.LONG_STEPS steps, of every variant with sequence parallelism (the default) and
+    without it (--long, --no-sp); of every variant under the document mask, of
+    STABILITY_VARIANTS with QK-norm and a z-loss over loss chunks, and of GPT2_VARIANTS at
+    the GPT-2 architecture (one torchrun: start-up dominates on CPU)."""
+    every, stability, gpt2 = driver_lists()
     return run_driver(
-        tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, every, "--documents", ",".join(every),
-        "--stability", stability, "--chunk", "13", "--gpt2", gpt2,
-        "--no-sp", ",".join(NO_SEQUENCE_PARALLEL_VARIANTS),
+        tmp_path_factory.mktemp("tp2"), 2, 1, 1, 1, ["belief_star"], "--long", every,
+        "--no-sp", every, "--documents", every, "--stability", stability, "--chunk", "13",
+        "--gpt2", gpt2,
     )  # fmt: skip
 
 
@@ -76,15 +82,17 @@ def tp2(tmp_path_factory) -> Path:
 def tp2_pp2_dp2(tmp_path_factory) -> Path:
     """belief_star records at TP=2 x PP=2 x DP=2 (ZeRO-1), checkpointed after its last step
     (8 processes: one run serves the equivalence and the change-of-layout tests), with
-    QK-norm and a z-loss (the z-loss reported through the pipeline engine), and
+    QK-norm and a z-loss over loss chunks (the z-loss reported through the pipeline
+    engine; the chunks over the output stage's all-gathered sequence), and
     belief_star's (with QK-norm and the z-loss too) and attention_bn_sh's under the
-    document mask, and belief_star's on masked labels (the pipeline's loss_fn weighted by
-    tokens)."""
+    document mask, belief_star's on masked labels (the pipeline's loss_fn weighted by
+    tokens), and LAYOUT_VARIANTS' over driver.LONG_STEPS steps."""
     out = tmp_path_factory.mktemp("tp2pp2dp2")
     documents = ["--documents", "belief_star,attention_bn_sh"]
     return run_driver(
         out, 2, 2, 2, 1, ["belief_star"], "--save-at", "3", "--stability", "belief_star",
-        *documents, "--padded", "belief_star",
+        "--chunk", "13", *documents, "--padded", "belief_star",
+        "--long", ",".join(LAYOUT_VARIANTS),
     )  # fmt: skip
 
 

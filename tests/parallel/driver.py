@@ -6,6 +6,8 @@
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --documents VARIANT[,..]
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --stability VARIANT[,..]
     torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --gpt2 V[,..] --no-sp V[,..]
+    torchrun ... tests/parallel/driver.py OUT_DIR TP PP ZERO VARIANTS --long V[,..]
+        [--long-zero ZERO[,ZERO..]]
         --padded VARIANT [--padded-micro MICRO[,MICRO..]]
 
 Builds the model in its engine exactly as training does (build_trainee, through
@@ -29,8 +31,10 @@ the first ZeRO stage only, written as OUT_DIR/<variant>-padded-micro<M>-zero<sta
 the loss weighted by tokens makes every split of such a step the same step.
 Likewise --gpt2 (GPT2: the LayerNorm / GELU / learned-positions / biases architecture,
 whose norm biases, position embeddings and row-parallel biases sequence parallelism also
-touches) and --no-sp (parallel.sequence_parallel=false), written as <variant>-gpt2-... and
-<variant>-nosp-....
+touches), --no-sp (parallel.sequence_parallel=false) and --long (the plain run), written as
+<variant>-gpt2-..., <variant>-nosp-... and <variant>-long-...; the --no-sp and --long runs
+take LONG_STEPS steps, the --long runs under the ZeRO stages of --long-zero only (default:
+every stage of the job).
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ from belief_lm.train import trainer_state  # noqa: E402
 from tests.models import trainee_for  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
+LONG_STEPS = 10
+"""The steps of the --long and --no-sp runs: sequence parallelism on and off held to one
+process over ten steps, every variant."""
 DOCUMENT_END = 2
 """The EOS id of the document-masked runs (a trained tokenizer's)."""
 STABILITY = ("model.qk_norm=true", "train.z_loss=0.01")
@@ -68,8 +75,9 @@ VARIATIONS = {
         "model.position_embedding=learned_absolute",
     ),
     "nosp": ("parallel.sequence_parallel=false",),
+    "long": (),
 }  # fmt: skip
-"""The other named runs (--gpt2, --no-sp): their config overrides."""
+"""The other named runs (--gpt2, --no-sp, --long): their config overrides."""
 
 IGNORE = -100
 """A label not trained on (belief_lm.model.loss.IGNORE_INDEX)."""
@@ -231,6 +239,7 @@ def main() -> None:
     padded = options.get("--padded-micro", str(MICRO)) if "--padded" in options else ""
     padded_micro = [int(m) for m in filter(None, padded.split(","))]
     stability = [*STABILITY, f"train.loss_chunk_tokens={options.get('--chunk', 0)}"]
+    long_zero = [int(z) for z in options.get("--long-zero", sys.argv[4]).split(",")]
     for zero in zero_stages:  # one process grid for all: start-up dominates on CPU
         for variant in variants:
             run(grid, out_dir, zero, variant, save_at, options.get("--resume"), steps)
@@ -244,9 +253,12 @@ def main() -> None:
             run(grid, out_dir, zero, variant, overrides=tuple(stability), name=name, steps=steps)
         for kind, overrides in VARIATIONS.items():
             option = "--no-sp" if kind == "nosp" else f"--{kind}"
+            if kind == "long" and zero not in long_zero:
+                continue
             for variant in filter(None, options.get(option, "").split(",")):
                 name = f"{variant}-{kind}"
-                run(grid, out_dir, zero, variant, overrides=overrides, name=name, steps=steps)
+                length = LONG_STEPS if kind in ("nosp", "long") else steps
+                run(grid, out_dir, zero, variant, overrides=overrides, name=name, steps=length)
         for micro in padded_micro if zero == zero_stages[0] else []:
             overrides = (f"train.micro_batch_size={micro}",)
             name = f"{options['--padded']}-padded-micro{micro}"

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from belief_lm.variants import VARIANTS
+from tests.parallel import driver
 from tests.parallel.conftest import (
     GPT2_VARIANTS,
-    NO_SEQUENCE_PARALLEL_VARIANTS,
+    LAYOUT_VARIANTS,
     STABILITY_VARIANTS,
     assert_equivalent,
     load_run,
@@ -20,12 +21,14 @@ from tests.parallel.conftest import (
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tensor_parallel_every_variant(reference, tp2, variant):
-    """TP=2 with sequence parallelism (the default at TP > 1): every variant's sequence-wide
-    statistics (belief's inner products, Attention-BN's key means, Attention-SH's pools)
-    are computed where the whole sequence is, so the single process's losses, gradients
-    and weights; the hidden norms' gradients (each rank's from its part of the sequence)
-    only once summed over the ranks (sum_sequence_parallel_grads)."""
-    assert_equivalent(load_run(tp2, variant, 1), load_run(reference, variant, 1))
+    """TP=2 with sequence parallelism (the default at TP > 1), ten steps: every variant's
+    sequence-wide statistics (belief's inner products, Attention-BN's key means,
+    Attention-SH's pools) are computed where the whole sequence is, so the single
+    process's losses, gradients and weights; the hidden norms' gradients (each rank's from
+    its part of the sequence) only once summed over the ranks (sum_sequence_parallel_grads)."""
+    run = load_run(tp2, f"{variant}-long", 1)
+    assert len(run["losses"]) == driver.LONG_STEPS
+    assert_equivalent(run, load_run(reference, f"{variant}-long", 1))
 
 
 @pytest.mark.parametrize("variant", GPT2_VARIANTS)
@@ -43,10 +46,13 @@ def test_sequence_parallel_gpt2_architecture_tp2(reference, tp2, variant):
     assert_equivalent(run, single, weight_bound=1e-3)
 
 
-@pytest.mark.parametrize("variant", NO_SEQUENCE_PARALLEL_VARIANTS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tensor_parallel_without_sequence_parallel(reference, tp2, variant):
-    """parallel.sequence_parallel=false at TP=2: the single process's run too."""
-    assert_equivalent(load_run(tp2, f"{variant}-nosp", 1), load_run(reference, variant, 1))
+    """parallel.sequence_parallel=false at TP=2, ten steps, every variant: the single
+    process's run too, and the same run at TP=2 with sequence parallelism."""
+    run = load_run(tp2, f"{variant}-nosp", 1)
+    assert_equivalent(run, load_run(reference, f"{variant}-long", 1))
+    assert_equivalent(run, load_run(tp2, f"{variant}-long", 1))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -56,7 +62,7 @@ def test_tensor_parallel_document_mask(reference, tp2, variant):
     z-loss as well)."""
     name = f"{variant}-documents"
     assert_equivalent(load_run(tp2, name, 1), load_run(reference, name, 1))
-    causal = load_run(reference, variant, 1)["losses"]
+    causal = load_run(reference, f"{variant}-long", 1)["losses"]
     assert load_run(reference, name, 1)["losses"][0] != pytest.approx(causal[0], abs=1e-4)
 
 
@@ -72,7 +78,7 @@ def test_qk_norm_and_z_loss_tp2(reference, tp2, variant):
     assert len(single["z_losses"]) == 3 and min(single["z_losses"]) > 0
     assert run["z_losses"] == pytest.approx(single["z_losses"], rel=1e-5)
     assert "layers.0.self_attention.q_layernorm.weight" in single["params"]
-    plain = load_run(reference, variant, 1)
+    plain = load_run(reference, f"{variant}-long", 1)
     assert single["losses"][0] != pytest.approx(plain["losses"][0], abs=1e-4)
 
 
@@ -89,7 +95,15 @@ def test_belief_star_tp2_pp2_dp2(reference, tp2_pp2_dp2):
     assert run["z_losses"] == pytest.approx(single["z_losses"], rel=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["belief_star", "attention_bn_sh"])
+@pytest.mark.parametrize("variant", LAYOUT_VARIANTS)
+def test_ten_steps_tp2_pp2_dp2(reference, tp2_pp2_dp2, variant):
+    """Sequence parallelism through the pipeline's stages ([s/t, b, h] at the boundary) at
+    TP=2 x PP=2 x DP=2, ten steps: one process's losses, gradients and weights."""
+    name = f"{variant}-long"
+    assert_equivalent(load_run(tp2_pp2_dp2, name, 1), load_run(reference, name, 1))
+
+
+@pytest.mark.parametrize("variant", LAYOUT_VARIANTS)
 def test_document_mask_tp2_pp2_dp2(reference, tp2_pp2_dp2, variant):
     """The document mask through pipeline stages (the boundary carrying the marks of where
     documents end, as DeepSpeed's boolean last element) at TP=2 x PP=2 x DP=2, against one
@@ -134,10 +148,12 @@ def zero_stages(tmp_path_factory) -> Path:
     """belief_star at TP=2 x DP=2 under ZeRO-0 (in fp32 our optimizer hook clips, with the
     norm's own counting rules: train/engine.py), -1, -2 and -3, one after another in one
     job; under ZeRO-0 also on masked labels at micro-batches of 4, 2 and 1 (accumulation
-    1, 2 and 4)."""
+    1, 2 and 4); attention_bn_sh under the document mask at every stage; under ZeRO-1 and -2
+    LAYOUT_VARIANTS over driver.LONG_STEPS steps."""
     return run_driver(
         tmp_path_factory.mktemp("zero"), 2, 1, 2, "0,1,2,3", ["belief_star"],
-        "--padded", "belief_star", "--padded-micro", "4,2,1",
+        "--padded", "belief_star", "--padded-micro", "4,2,1", "--documents", "attention_bn_sh",
+        "--long", ",".join(LAYOUT_VARIANTS), "--long-zero", "1,2",
     )  # fmt: skip
 
 
@@ -145,6 +161,25 @@ def zero_stages(tmp_path_factory) -> Path:
 def test_zero_stages_tp2_dp2(reference, zero_stages, zero):
     run = load_run(zero_stages, "belief_star", zero)
     assert_equivalent(run, load_run(reference, "belief_star", 1))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_document_mask_zero_stages_tp2_dp2(reference, zero_stages, zero):
+    """model.attention_mask=document at TP=2 x DP=2 under every ZeRO stage (Attention-BN-SH:
+    its running statistics restart at each document): one process's losses, gradients and
+    weights."""
+    name = "attention_bn_sh-documents"
+    assert_equivalent(load_run(zero_stages, name, zero), load_run(reference, name, 1))
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("variant", LAYOUT_VARIANTS)
+def test_ten_steps_tp2_dp2(reference, zero_stages, variant, zero):
+    """Sequence parallelism with data parallelism at TP=2 x DP=2 under ZeRO-1 and -2 (the
+    norms' gradients summed over TP before ZeRO's reduction), ten steps: one process's
+    losses, gradients and weights."""
+    name = f"{variant}-long"
+    assert_equivalent(load_run(zero_stages, name, zero), load_run(reference, name, 1))
 
 
 @pytest.mark.parametrize("micro", [4, 2, 1])
