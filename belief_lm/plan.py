@@ -144,12 +144,16 @@ def plan(
     vocab_size: int,
     max_micro_batch: int = 64,
     recompute: tuple[str, ...] = RECOMPUTE_MODES,
+    both_sequence_parallel: bool = False,
 ) -> list[Estimate]:
     """Every candidate on machine.gpus that pre-flight accepts (TP within a node), in each
-    recompute mode: fitting ones first, fastest first."""
+    recompute mode (and at TP > 1 with sequence parallelism on and off, if
+    `both_sequence_parallel`; else as the config has it): fitting ones first, fastest
+    first."""
     bf16 = cfg.train.precision != "fp32"  # auto is bf16 on a GPU
     estimates = []
-    for candidate in candidates(cfg, machine, vocab_size, max_micro_batch, recompute):
+    found = candidates(cfg, machine, vocab_size, max_micro_batch, recompute, both_sequence_parallel)
+    for candidate in found:
         estimates.append(estimate(cfg, candidate, machine, vocab_size, bf16))
     # equally fast (the model has no micro-batch efficiency): the larger micro-batch first
     # (bigger matmuls, fewer accumulation steps), then the leaner
@@ -165,36 +169,54 @@ def candidates(
     vocab_size: int,
     max_micro_batch: int = 64,
     recompute: tuple[str, ...] = RECOMPUTE_MODES,
+    both_sequence_parallel: bool = False,
 ):
-    """Each candidate on machine.gpus that belief-lm would run (pre-flight's rules)."""
+    """Each candidate on machine.gpus that belief-lm would run (pre-flight's rules); at
+    TP > 1 with sequence parallelism on and off if `both_sequence_parallel`."""
     gpus = machine.gpus
     for tensor in _divisors(gpus):
         if tensor > machine.gpus_per_node or vocab_size % tensor:
             continue  # TP stays within a node; the vocabulary is split over TP ranks
-        split = {"tensor": tensor}
-        sequence_parallel = cfg.parallel.model_copy(update=split).sequence_parallel_on
-        if sequence_parallel and cfg.model.seq_length % tensor:
-            continue  # the sequence is split over TP ranks (config's own check)
-        for pipeline in _divisors(gpus // tensor):
-            for zero in (0, 1, 2, 3):
-                for micro in range(1, max_micro_batch + 1):
-                    # copies without validation: pre-flight's checks below are the test
-                    parallel = {"tensor": tensor, "pipeline": pipeline, "zero_stage": zero}
-                    trial = cfg.model_copy(
-                        update={
-                            "parallel": cfg.parallel.model_copy(update=parallel),
-                            "train": cfg.train.model_copy(update={"micro_batch_size": micro}),
-                        }
-                    )
-                    try:
-                        dims, accumulation = check_layout(trial, gpus)
-                    except ValueError:
-                        continue
-                    for mode in recompute:
-                        yield Candidate(
-                            tensor, pipeline, dims.data, zero, micro, mode, accumulation,
-                            sequence_parallel,
-                        )  # fmt: skip
+        configured = cfg.parallel.model_copy(update={"tensor": tensor}).sequence_parallel_on
+        for sequence_parallel in (
+            (True, False) if both_sequence_parallel and tensor > 1 else (configured,)
+        ):
+            if sequence_parallel and cfg.model.seq_length % tensor:
+                continue  # the sequence is split over TP ranks (config's own check)
+            yield from _splits(cfg, machine, tensor, sequence_parallel, max_micro_batch, recompute)
+
+
+def _splits(
+    cfg: Config,
+    machine: Machine,
+    tensor: int,
+    sequence_parallel: bool,
+    max_micro_batch: int,
+    recompute: tuple[str, ...],
+):
+    """The candidates at one tensor size and sequence-parallel setting."""
+    gpus = machine.gpus
+    for pipeline in _divisors(gpus // tensor):
+        for zero in (0, 1, 2, 3):
+            for micro in range(1, max_micro_batch + 1):
+                # copies without validation: pre-flight's checks below are the test
+                parallel = {"tensor": tensor, "pipeline": pipeline, "zero_stage": zero,
+                            "sequence_parallel": sequence_parallel}  # fmt: skip
+                trial = cfg.model_copy(
+                    update={
+                        "parallel": cfg.parallel.model_copy(update=parallel),
+                        "train": cfg.train.model_copy(update={"micro_batch_size": micro}),
+                    }
+                )
+                try:
+                    dims, accumulation = check_layout(trial, gpus)
+                except ValueError:
+                    continue
+                for mode in recompute:
+                    yield Candidate(
+                        tensor, pipeline, dims.data, zero, micro, mode, accumulation,
+                        sequence_parallel,
+                    )  # fmt: skip
 
 
 def run_vocab_size(cfg: Config) -> int:
@@ -554,23 +576,25 @@ def _all_reduce(volume: float, ranks: int, bandwidth: float) -> float:
 
 def table(estimates: list[Estimate], top: int) -> str:
     """The best `top` candidates that fit, as a text table (GB are 10^9 bytes): one row per
-    split and recompute mode, at its best micro-batch (the first in `estimates`' order)."""
+    split, sequence-parallel setting (SP) and recompute mode, at its best micro-batch (the
+    first in `estimates`' order)."""
     header = (
-        f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>4} {'ZeRO':>4} {'micro':>5} {'accum':>5} "
-        f"{'recompute':>9} {'weights':>7} {'grads':>6} {'optim':>6} {'buffers':>7} "
-        f"{'activ':>6} {'peak GB':>7} {'step s':>7} {'tokens/s':>10}"
+        f"{'#':>3} {'TP':>3} {'SP':>3} {'PP':>3} {'DP':>4} {'ZeRO':>4} {'micro':>5} "
+        f"{'accum':>5} {'recompute':>9} {'weights':>7} {'grads':>6} {'optim':>6} "
+        f"{'buffers':>7} {'activ':>6} {'peak GB':>7} {'step s':>7} {'tokens/s':>10}"
     )
     lines, best = [header], {}
     for e in estimates:
         c = e.candidate
-        key = (c.tensor, c.pipeline, c.data, c.zero_stage, c.recompute)
+        key = (c.tensor, c.sequence_parallel, c.pipeline, c.data, c.zero_stage, c.recompute)
         if e.fits and key not in best:
             best[key] = e
     for rank, e in enumerate(list(best.values())[:top], start=1):
         c, mem = e.candidate, e.memory
+        sequence_parallel = "on" if c.sequence_parallel else "-"
         lines.append(
-            f"{rank:>3} {c.tensor:>3} {c.pipeline:>3} {c.data:>4} {c.zero_stage:>4} "
-            f"{c.micro_batch:>5} {c.accumulation:>5} {c.recompute:>9} "
+            f"{rank:>3} {c.tensor:>3} {sequence_parallel:>3} {c.pipeline:>3} {c.data:>4} "
+            f"{c.zero_stage:>4} {c.micro_batch:>5} {c.accumulation:>5} {c.recompute:>9} "
             f"{mem.weights / GB:>7.2f} {mem.gradients / GB:>6.2f} {mem.optimizer / GB:>6.2f} "
             f"{mem.buffers / GB:>7.2f} {(mem.activations + mem.recomputed) / GB:>6.2f} "
             f"{mem.peak / GB:>7.2f} {e.step_time_s:>7.2f} {e.tokens_per_s:>10,.0f}"

@@ -197,6 +197,19 @@ def test_plan_turns_sequence_parallel_on_per_layout(capsys):
     assert main([*args, "model.seq_length=2050"]) == 0  # 2050 = 2 x 1025: TP=2 only
     tensors = {e["candidate"]["tensor"] for e in json.loads(capsys.readouterr().out)["estimates"]}
     assert tensors == {1, 2}
+    # --both-sequence-parallel: every TP > 1 layout both ways, each as its own run scores it
+    assert main([*args, "--both-sequence-parallel"]) == 0
+    both = json.loads(capsys.readouterr().out)["estimates"]
+    by_setting = {(_key(e), e["candidate"]["sequence_parallel"]): e for e in both}
+    assert len(by_setting) == len(both)
+    expected = {(k, True): e for k, e in on.items() if k[0] > 1}
+    expected.update({(k, False): e for k, e in off.items()})
+    assert by_setting == expected
+    table_args = [a for a in args if a != "--json"]
+    assert main([*table_args, "--both-sequence-parallel"]) == 0  # the table
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[:3] == ["#", "TP", "SP"]
+    assert {line.split()[2] for line in table[2:-1]} == {"on", "-"}
 
 
 def test_pipeline_boundary_carries_the_sequence_split_under_sequence_parallel():

@@ -32,6 +32,11 @@ def add_to(add: AddCommand) -> None:
         help="memory a GPU needs beyond the allocator's peak (CUDA context, NCCL, fragmentation)",
     )  # fmt: skip
     sub.add_argument("--max-micro-batch", type=int, default=64, help="largest micro-batch tried")
+    sub.add_argument(
+        "--both-sequence-parallel", action="store_true",
+        help="rank every layout of TP > 1 with sequence parallelism on and off (default: as "
+        "parallel.sequence_parallel has it: on whenever TP > 1)",
+    )  # fmt: skip
     sub.add_argument("--top", type=int, default=10, help="layouts shown (0: all, with --json)")
     sub.add_argument("--json", action="store_true", help="JSON instead of the table")
     add_config(sub)
@@ -55,7 +60,10 @@ def plan_layouts(args: argparse.Namespace) -> int:
         reserve_gb=args.reserve_gb,
     )
     vocab_size = plan.run_vocab_size(cfg)
-    estimates = plan.plan(cfg, machine, vocab_size, args.max_micro_batch)
+    estimates = plan.plan(
+        cfg, machine, vocab_size, args.max_micro_batch,
+        both_sequence_parallel=args.both_sequence_parallel,
+    )  # fmt: skip
     if not estimates:
         raise BadInput(f"no layout of {args.gpus} GPUs passes pre-flight for this config")
     fitting = sum(e.fits for e in estimates)
