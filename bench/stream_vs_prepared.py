@@ -18,8 +18,9 @@ Corpora:
   embedded      README command 1's (2,361 documents of Python's documentation, most shorter
                 than a window: 227 steps an epoch);
   long          250 FineWeb-Edu-schema documents, stretches of the same prose (1.7 M
-                characters; the last 8% of the rows' text wraps to its start), lognormal in length around 4,500 characters (median about 9
-                windows of 128 tokens, a tenth over 30, the longest over 100).
+                characters; the last 8% of the rows' text wraps to its start), lognormal
+                in length around 4,500 characters (median about 9 windows of 128 tokens,
+                a tenth over 30, the longest over 100).
 Every order runs at each of --seeds (data.seed: the streams' draw, or the prepared samples'
 shuffle; the model's initial weights stay the same): one prepared run's final validation
 loss moved by 0.06 from one seed to another, more than the 0.02 to be judged, so orders are

@@ -4,7 +4,8 @@ For every decoder layer, averaged over tokens: ||Δ|| / ||MH|| (Δ the global or
 residual of MH against V), and the cosine of the angle between the token X entering the
 layer and each of Δ W^o and MH W^o. For variants other than belief/belief_star, Δ is what
 belief-attention would have used. Tensor-parallel shards are summed; pipeline stages
-report their own layers and the results are gathered on every rank. The same forward pass
+report their own layers and the results are gathered on every rank, from data-parallel
+rank 0's micro-batch (each data-parallel rank measures its own). The same forward pass
 measures each layer's FORWARD signals (belief_lm/train/layer_signals.py): its largest
 pre-softmax attention score and the RMS of its output.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.runtime.zero import GatheredParameters
+from megatron.core import parallel_state as ps
 
 from belief_lm.attention import global_orthogonal_residual
 from belief_lm.model.attention_layer import CAPTURE
@@ -62,8 +65,11 @@ def belief_diagnostics(engine, tokens: torch.Tensor, labels: torch.Tensor, pipel
         results[f"layer{number}/max_logit"] = float(mine["max_logit"])
         results[f"layer{number}/output_rms"] = output_rms[number]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    return layer_signals.merge(gathered)
+    dist.all_gather_object(gathered, (ps.get_data_parallel_rank(), results))
+    # data-parallel ranks measured different micro-batches: every number is data-parallel
+    # rank 0's (its tensor and pipeline peers'), not one rank's for some and another's for
+    # the rest
+    return layer_signals.merge([part for data_rank, part in gathered if data_rank == 0])
 
 
 def _hidden(value: torch.Tensor | tuple) -> torch.Tensor:
@@ -92,7 +98,10 @@ def _layer_stats(layer: DecoderLayer, x: torch.Tensor, mh: torch.Tensor, v: torc
 
     delta = global_orthogonal_residual(mh, v, shard_sum)
     weight = attention.linear_proj.weight  # W^o, this rank's input columns
-    delta_wo, mh_wo = tp_sum(F.linear(delta, weight)), tp_sum(F.linear(mh, weight))
+    # ZeRO-3 holds a 1/DP partition of it outside the forward pass (collective; a no-op for
+    # a weight ZeRO does not partition)
+    with GatheredParameters([weight]):
+        delta_wo, mh_wo = tp_sum(F.linear(delta, weight)), tp_sum(F.linear(mh, weight))
     squares = tp_sum(torch.stack([delta.float().square().sum(-1), mh.float().square().sum(-1)]))
     n = layer.layer_number
     return {

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from belief_lm.train import layer_signals
 from tests.jobs import ROOT, job_env, run_job, torchrun_command
 
 
@@ -102,14 +103,48 @@ def load_run(out_dir: Path, variant: str, zero: int) -> dict:
     files = sorted(out_dir.glob(f"{variant}-zero{zero}-rank*.pt"))
     assert files, f"no results for {variant} in {out_dir}"
     records = [torch.load(f, weights_only=False) for f in files]
-    merged = {key: records[0][key] for key in ("losses", "grad_norms", "z_losses")}
+    keys = ("losses", "grad_norms", "z_losses", "diagnostics", "layer_grad_norms")
+    merged = {key: records[0][key] for key in keys}
     merged.update(grads=[], params={})
     for step in range(len(records[0]["grads"])):
         merged["grads"].append({k: v for r in records for k, v in r["grads"][step].items()})
     for record in records:
         merged["params"].update(record["params"])
         assert record["losses"] == pytest.approx(merged["losses"], abs=0), "ranks disagree"
+        assert record["diagnostics"] == merged["diagnostics"], "ranks log different signals"
     return merged
+
+
+def assert_same_layer_signals(run: dict, reference: dict, pipelined: bool = False) -> None:
+    """The per-layer signals (layer_signals.py) and belief diagnostics of `run` are one
+    process's: of the same first weights on data-parallel rank 0's probe batch (each data-
+    parallel rank measures its own; the others' must not leak in), the largest pre-softmax
+    logit of every layer (the max over the heads of all tensor-parallel ranks), the RMS of
+    each layer's whole output and the diagnostics' TP-summed ratios and cosines, within
+    fp32 rounding (measured <= 2e-6 relative); and each step's per-layer gradient norms
+    (shards over TP summed, replicated weights counted once, whole gradients under ZeRO)
+    within the bounds of the gradients (assert_equivalent), unless `pipelined`."""
+    signals, expected = run["diagnostics"], reference["diagnostics"]
+    assert signals.keys() == expected.keys()
+    assert {k.split("/")[1] for k in signals} >= set(layer_signals.FORWARD)
+    for key, value in expected.items():
+        assert signals[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    norms = reference["layer_grad_norms"]
+    assert len(norms) == len(reference["grads"])
+    for grads, measured in zip(reference["grads"], norms, strict=True):  # one process's
+        layers = {}
+        for name, grad in grads.items():
+            if name.startswith("layers."):
+                number = int(name.split(".")[1]) + 1
+                layers[number] = layers.get(number, 0.0) + grad.double().square().sum()
+        direct = {f"layer{n}/{layer_signals.GRAD_NORM}": float(v.sqrt()) for n, v in layers.items()}
+        assert measured == pytest.approx(direct, rel=1e-6)
+    if pipelined:  # the trainer measures none with a pipeline (Trainer.watch_gradients)
+        return
+    assert len(run["layer_grad_norms"]) == len(norms)
+    for step, (measured, expected) in enumerate(zip(run["layer_grad_norms"], norms, strict=True)):
+        bound = 1e-5 if step == 0 else 3e-4
+        assert measured == pytest.approx(expected, rel=bound), f"step {step}"
 
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:

@@ -16,7 +16,11 @@ tests.models.trainee_for) and runs a few steps with train_step, on data that dep
 rank: the global-batch loss of each step, the full gradient of every parameter just before
 each optimizer step (ZeRO fragments and TP shards gathered, pipeline names mapped to
 BeliefLM's), the full parameters at the end, and each step's z-loss when train.z_loss is
-set. Writes
+set; the belief diagnostics with the per-layer max_logit and output_rms of the first
+weights on a probe batch (each data-parallel rank its own; the logged numbers are data-
+parallel rank 0's, the same on every rank), and, without a pipeline, each step's
+per-layer gradient norms as the trainer measures them (layer_signals.layer_grad_norms).
+Writes
 OUT_DIR/<variant>-zero<stage>-rank<r>.pt. With --documents, the variants named there also
 train under model.attention_mask=document, on the same table with an EOS (DOCUMENT_END)
 closing documents of 1 to 6 tokens, written as
@@ -58,7 +62,8 @@ from belief_lm.parallel.gather import full_state_dict, gather_tensor_parallel  #
 from belief_lm.parallel.grid import ProcessGrid  # noqa: E402
 from belief_lm.preflight import resume_from  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
-from belief_lm.train import trainer_state  # noqa: E402
+from belief_lm.train import layer_signals, trainer_state  # noqa: E402
+from belief_lm.train.diagnostics import belief_diagnostics  # noqa: E402
 from tests.models import trainee_for  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
@@ -139,8 +144,11 @@ class GlobalBatches:
         self.step, self.micro = state["step"], state["micro"]
 
 
-def probe_tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+def probe_tokens(data_rank: int = 0) -> torch.Tensor:
+    """A batch of MICRO sequences outside the training table, a different one for each
+    data-parallel rank (the one-process reference sees data-parallel rank 0's)."""
+    generator = torch.Generator().manual_seed(1 + data_rank)
+    return torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator)
 
 
 def run(
@@ -168,8 +176,13 @@ def run(
         first = trainer_state.restore(checkpoint, cfg, engine, grid)
         data.load_state_dict(trainer_state.load_data_state(checkpoint))
     rename = (lambda n: canonical_name(n, cfg.model.num_layers)) if trainee.pipelined else None
+    # the belief diagnostics and per-layer signals of the first weights (a later step's
+    # carry AdamW's rounding noise) on a probe batch of this data-parallel rank's: what is
+    # logged must be data-parallel rank 0's, as one process's on that batch
+    probe = probe_tokens(layout.data_rank)
+    diagnostics = belief_diagnostics(engine, probe, probe, trainee.pipelined)
 
-    grads_per_step = []
+    grads_per_step, layer_grad_norms = [], []
     take_step = engine._take_model_step
 
     def capture_then_step(*args, **kwargs):
@@ -180,6 +193,8 @@ def run(
             if key is not None:
                 grads[key] = full
         grads_per_step.append(grads)
+        if not trainee.pipelined:  # the trainer's measurement (none with a pipeline)
+            layer_grad_norms.append(layer_signals.layer_grad_norms(engine.module))
         return take_step(*args, **kwargs)
 
     engine._take_model_step = capture_then_step
@@ -215,6 +230,8 @@ def run(
             "grads": grads_per_step,
             "params": params,
             "logits": logits,
+            "diagnostics": diagnostics,
+            "layer_grad_norms": layer_grad_norms,
         },
         os.path.join(out_dir, f"{name or variant}-zero{zero}-rank{dist.get_rank()}.pt"),
     )

@@ -13,6 +13,7 @@ from tests.parallel.conftest import (
     LAYOUT_VARIANTS,
     STABILITY_VARIANTS,
     assert_equivalent,
+    assert_same_layer_signals,
     load_run,
     run_driver,
     torchrun,
@@ -25,10 +26,15 @@ def test_tensor_parallel_every_variant(reference, tp2, variant):
     sequence-wide statistics (belief's inner products, Attention-BN's key means,
     Attention-SH's pools) are computed where the whole sequence is, so the single
     process's losses, gradients and weights; the hidden norms' gradients (each rank's from
-    its part of the sequence) only once summed over the ranks (sum_sequence_parallel_grads)."""
+    its part of the sequence) only once summed over the ranks (sum_sequence_parallel_grads).
+    The per-layer signals too: each variant's largest logit over both ranks' heads, the RMS
+    of the whole hidden state, each layer's gradient norm over both shards with its norms
+    counted once."""
     run = load_run(tp2, f"{variant}-long", 1)
+    single = load_run(reference, f"{variant}-long", 1)
     assert len(run["losses"]) == driver.LONG_STEPS
-    assert_equivalent(run, load_run(reference, f"{variant}-long", 1))
+    assert_equivalent(run, single)
+    assert_same_layer_signals(run, single)
 
 
 @pytest.mark.parametrize("variant", GPT2_VARIANTS)
@@ -86,9 +92,11 @@ def test_belief_star_tp2_pp2_dp2(reference, tp2_pp2_dp2):
     """Tensor and pipeline parallel together (with data parallel and ZeRO-1 on top: the
     run the change-of-layout tests resume from, so TP=2 x PP=2 needs no run of its own),
     plain and with QK-norm and a z-loss (the z-loss the pipeline engine sums over
-    micro-batches and averages over data parallelism)."""
-    run = load_run(tp2_pp2_dp2, "belief_star", 1)
-    assert_equivalent(run, load_run(reference, "belief_star", 1))
+    micro-batches and averages over data parallelism). Each stage's per-layer signals
+    reach every rank (gradient norms are not measured with a pipeline)."""
+    run, single = load_run(tp2_pp2_dp2, "belief_star", 1), load_run(reference, "belief_star", 1)
+    assert_equivalent(run, single)
+    assert_same_layer_signals(run, single, pipelined=True)
     run = load_run(tp2_pp2_dp2, "belief_star-stability", 1)
     single = load_run(reference, "belief_star-stability", 1)
     assert_equivalent(run, single)
@@ -159,8 +167,10 @@ def zero_stages(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_stages_tp2_dp2(reference, zero_stages, zero):
-    run = load_run(zero_stages, "belief_star", zero)
-    assert_equivalent(run, load_run(reference, "belief_star", 1))
+    """And the per-layer gradient norms of the global batch, from ZeRO's fragments."""
+    run, single = load_run(zero_stages, "belief_star", zero), load_run(reference, "belief_star", 1)
+    assert_equivalent(run, single)
+    assert_same_layer_signals(run, single)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
