@@ -228,12 +228,15 @@ def max_logit(
     beta: float = 1.0,
     head_scales: Sequence[int] = (),
     softmax_scale: float | None = None,
+    documents: Documents | None = None,
 ) -> Tensor:
     """The largest pre-softmax score of `attention_heads` (queries [b, heads, s, d], keys
     [b, groups, s, d]) over every head, query and key (or pooled slot) it may see, as the
     variant defines it: q·k scaled (softmax), (q_i - βμ_i)·(k_j - βμ_i) scaled (Attention-BN,
     eq. 26, μ_i the mean of the keys query i sees), against the keys pooled by each head's
-    scale (Attention-SH). Materializes a [s, s] score matrix per head: for diagnostics."""
+    scale (Attention-SH); with `documents`, only within each query's document (its keys,
+    mean and slots restarting there, as `_attend_documents`). Materializes a [s, s] score
+    matrix per head: for diagnostics."""
     heads, seq_len = q.shape[1], q.shape[2]
     scales = list(head_scales) if mixing in ("sh", "bn_sh") else [1] * heads
     k = heads_from_groups(k, heads)
@@ -242,15 +245,24 @@ def max_logit(
     largest = []
     for scale in sorted(set(scales)):
         idx = [i for i, s in enumerate(scales) if s == scale]
-        queries, keys = _wide(q[:, idx]), _wide(causal_pool(k[:, idx], scale, dim=2))
+        queries = _wide(q[:, idx])
+        if documents is None:
+            keys = _wide(causal_pool(k[:, idx], scale, dim=2))
+            slots = torch.arange(keys.shape[2], device=q.device)
+            visible = slots[None, :] * scale <= positions[:, None]
+        else:  # one slot per token, those that complete a slot seen (document_pool)
+            keys = _wide(document_pool(k[:, idx], scale, documents) if scale > 1 else k[:, idx])
+            slot_ends = documents.positions % scale == 0 if scale > 1 else None
+            visible = visible_keys(documents.starts, slot_ends)[:, None]
         shift = 0.0
         if mixing in ("bn", "bn_sh"):  # (q_i - βμ_i)·k_j - β(q_i - βμ_i)·μ_i
-            mean = causal_mean(keys, dim=2)[:, :, positions // scale]  # μ_i
+            if documents is None:
+                mean = causal_mean(keys, dim=2)[:, :, positions // scale]  # μ_i
+            else:
+                mean = document_mean(keys, scale, documents)
             queries = recentred_queries(queries, mean, beta)
             shift = beta * (queries * mean).sum(-1, keepdim=True)
         scores = queries @ keys.transpose(-1, -2) - shift
-        slots = torch.arange(keys.shape[2], device=q.device)
-        visible = slots[None, :] * scale <= positions[:, None]
         largest.append((scores * factor).masked_fill(~visible, float("-inf")).amax())
     return torch.stack(largest).amax()
 

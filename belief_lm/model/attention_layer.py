@@ -147,6 +147,7 @@ class FamilyCoreAttention(MegatronModule):
                     beta=self.beta,
                     head_scales=self.local_head_scales,
                     softmax_scale=self.softmax_scale,
+                    documents=documents,
                 ),
             }
         if self.residual == "mh":  # the heads' outputs as they are: no V_m of each head

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from belief_lm.attention import causal_pool, max_logit
+from belief_lm.attention import causal_pool, documents, max_logit
 from belief_lm.config import load_config
 from belief_lm.model.gpt import BeliefLM
 from belief_lm.train.diagnostics import belief_diagnostics
@@ -45,6 +45,30 @@ def test_max_logit_matches_each_score(mixing):
     scales = [1, 2, 2, 3]
     found = max_logit(q, k, mixing, beta=0.7, head_scales=scales, softmax_scale=0.3)
     assert float(found) == pytest.approx(reference_max_logit(q, k, mixing, 0.7, scales, 0.3))
+
+
+@pytest.mark.parametrize("mixing", ["softmax", "bn", "sh", "bn_sh"])
+def test_max_logit_within_documents_is_each_documents_alone(mixing):
+    """Under model.attention_mask=document the largest logit is that of the documents each
+    run alone (keys, Attention-BN's mean and Attention-SH's slots restarting at each
+    document), not of scores across their boundaries."""
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 12, 8, generator=generator)
+    k = torch.randn(2, 2, 12, 8, generator=generator) + 0.5
+    ends = torch.zeros(2, 12, dtype=torch.bool)
+    ends[0, [3, 4, 9]] = True  # documents 0-3, 4 (one EOS alone), 5-9, 10-11 (begun)
+    ends[1, 6] = True
+    scales = [1, 2, 2, 3]
+    found = max_logit(q, k, mixing, beta=0.7, head_scales=scales, softmax_scale=0.3,
+                      documents=documents(ends))  # fmt: skip
+    alone = []
+    for row, pieces in ((0, [(0, 4), (4, 5), (5, 10), (10, 12)]), (1, [(0, 7), (7, 12)])):
+        for a, b in pieces:
+            part = q[row : row + 1, :, a:b], k[row : row + 1, :, a:b]
+            alone.append(reference_max_logit(*part, mixing, 0.7, scales, 0.3))
+    assert float(found) == pytest.approx(max(alone))
+    across = max_logit(q, k, mixing, beta=0.7, head_scales=scales, softmax_scale=0.3)
+    assert float(across) != pytest.approx(max(alone))  # (the boundaries change the answer)
 
 
 def test_forward_signals_match_direct_computation(single_process_group):
