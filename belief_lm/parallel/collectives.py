@@ -107,6 +107,12 @@ class TensorParallelPlace:
         )
 
 
+def data_parallel_rank() -> int:
+    """This rank's place among the data-parallel copies of the model (megatron's group, as
+    the process grid made it): which micro-batch it measures."""
+    return ps.get_data_parallel_rank()
+
+
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where a tensor must be to go through `group`: NCCL reduces only CUDA tensors, gloo
     only CPU ones (a count or a loss total made on the host must move for NCCL)."""

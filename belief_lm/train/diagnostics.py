@@ -16,12 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.runtime.zero import GatheredParameters
-from megatron.core import parallel_state as ps
 
 from belief_lm.attention import global_orthogonal_residual
 from belief_lm.model.attention_layer import CAPTURE
 from belief_lm.model.gpt import DecoderLayer
-from belief_lm.parallel.collectives import TensorParallelPlace
+from belief_lm.parallel.collectives import TensorParallelPlace, data_parallel_rank
 from belief_lm.train import layer_signals
 
 
@@ -65,7 +64,7 @@ def belief_diagnostics(engine, tokens: torch.Tensor, labels: torch.Tensor, pipel
         results[f"layer{number}/max_logit"] = float(mine["max_logit"])
         results[f"layer{number}/output_rms"] = output_rms[number]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ps.get_data_parallel_rank(), results))
+    dist.all_gather_object(gathered, (data_parallel_rank(), results))
     # data-parallel ranks measured different micro-batches: every number is data-parallel
     # rank 0's (its tensor and pipeline peers'), not one rank's for some and another's for
     # the rest
