@@ -6,12 +6,11 @@ queries and keys of a training micro-batch, as the layer's variant defines its s
 on; `grad_norm`, the 2-norm of the gradient of the layer's weights, taken between backward
 and the optimizer step (DeepSpeed's safe_get_full_grad: whole gradients at every ZeRO
 stage; tensor-parallel shards summed, replicated weights counted once; with a pipeline,
-inside the engine's optimizer step instruction, each stage's layers combined on every
-rank). The first two come
-from the belief diagnostics' forward pass (belief_lm/train/diagnostics.py); a spike step's
-gradient norms are compared with the last diagnostics step's to name the layers whose
-gradient grew most. Logged as `layer{n}/...` in metrics.jsonl, under `layers/` in tensorboard
-and W&B.
+inside the engine's train_batch before its optimizer step, every stage's layers on every
+rank). The first two come from the belief diagnostics' forward pass
+(belief_lm/train/diagnostics.py); a spike step's gradient norms are compared with the last
+diagnostics step's to name the layers whose gradient grew most. Logged as `layer{n}/...` in
+metrics.jsonl, under `layers/` in tensorboard and W&B.
 """
 
 from __future__ import annotations
