@@ -150,7 +150,7 @@ class Trainee:
                     self.before_update()
                 if screen is not None:
                     checks.append(screen(compat.pipeline_step_loss(engine)))
-                if checks and checks[0].skip:  # config.py forbids it: raised before the update
+                if checks and checks[0].skip:  # preflight refuses it: raised before the update
                     raise RuntimeError("a pipelined step was asked to skip its update")
 
             self._inside_pipeline_step = before_update
