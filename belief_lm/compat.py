@@ -24,7 +24,9 @@ ColumnLinear, for torch.compile), the `_extra_state` entries of its state dicts,
 sequence parallelism the device its collectives allocate on and its RNG tracker's fork
 (`megatron_collectives_on_host`, `untracked_dropout_rng`).
 
-DeepSpeed: where its engine takes a step's gradient norm from, its bf16 optimizers'
+DeepSpeed: where its engine takes a step's gradient norm from, where its pipeline engine
+steps the optimizer (a hook before the update: `before_pipeline_update`) and how it
+averages a step's loss (`pipeline_step_loss`, there before the update), its bf16 optimizers'
 overflow checks and ZeRO-1/2's gradient norm (each replaced by one multi-tensor pass),
 which C++ ops it may build on a CPU, the names of its checkpoint files (which
 consolidate.py reads directly), the classes it pickles into them, and its own
@@ -396,6 +398,32 @@ def one_pass_grad_norm(optimizer) -> None:
         return total
 
     zero.get_grad_norm_direct = get_grad_norm_direct
+
+
+def before_pipeline_update(engine, hook: Callable[[], object]) -> None:
+    """Call `hook` inside DeepSpeed's pipeline engine between a step's last backward and its
+    optimizer's update, on every stage: train_batch runs the whole schedule, update
+    included, and offers no hook. The schedule's last instructions reduce the gradients
+    over data parallelism and between tied stages, then OptimizerStep, which the engine
+    runs as `_exec_optimizer_step`, calling `self._take_model_step` (clipping and the
+    optimizer's step): replaced here by instance attribute, `hook` first."""
+    take_model_step = engine._take_model_step
+
+    def hooked(*args, **kwargs):
+        hook()
+        return take_model_step(*args, **kwargs)
+
+    engine._take_model_step = hooked
+
+
+def pipeline_step_loss(engine) -> Tensor:
+    """The step's loss on every stage, from inside a pipeline engine's train_batch once the
+    schedule's last backward ran (before_pipeline_update): the last stage's sum over the
+    micro-batches scaled by the accumulation steps, averaged over data parallelism and
+    broadcast over the pipeline, as train_batch returns it afterwards: its own
+    `_aggregate_total_loss`, which train_batch then runs again (the same numbers, from the
+    same total; one small broadcast and all-reduce more per step)."""
+    return engine._aggregate_total_loss()
 
 
 def disable_shm_comm() -> None:

@@ -134,8 +134,8 @@ def check_engine_settings(cfg: Config) -> None:
         raise BadInput(
             f"train.spike.action=skip cannot be combined with parallel.pipeline="
             f"{parallel.pipeline}: DeepSpeed's pipeline engine applies the update inside "
-            "train_batch, and the step's loss leaves the last stage only after it, so a "
-            "spike cannot be kept from the weights; use action log or stop"
+            "train_batch, where the loss is judged but a skip is not built, so a spike "
+            "cannot be kept from the weights; use action log or stop"
         )
     if model.compile == "layer" and parallel.zero_stage == 3:
         raise BadInput(

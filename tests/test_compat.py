@@ -218,6 +218,45 @@ def test_deepspeed_zero_grad_norm_keeps_the_rules_our_one_pass_copies():
         assert rule in source, f"DeepSpeed's get_grad_norm_direct changed: {rule}"
 
 
+def test_deepspeed_pipeline_steps_through_the_call_we_hook():
+    """compat.before_pipeline_update hooks DeepSpeed's pipeline engine by replacing
+    `_take_model_step` by instance attribute: the schedule's OptimizerStep must still run
+    `_exec_optimizer_step`, which calls it through `self`, after the step's last backward
+    and the gradients' reductions (the behaviour: the gradient norms and the loss check
+    at TP=2 x PP=2 x DP=2, tests/parallel/test_equivalence.py::test_belief_star_tp2_pp2_dp2)."""
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    assert PipelineEngine._INSTRUCTION_MAP[schedule.OptimizerStep] is (
+        PipelineEngine._exec_optimizer_step
+    )
+    assert "self._take_model_step(" in inspect.getsource(PipelineEngine._exec_optimizer_step)
+    steps = inspect.getsource(schedule.TrainSchedule.steps)
+    last = steps.index("if step_id == total_steps - 1:")
+    reductions = [
+        steps.index(f"cmds.append({name}())", last)
+        for name in ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
+    ]
+    assert reductions == sorted(reductions), "DeepSpeed's schedule no longer ends in its step"
+    assert steps.index("BackwardPass(") < last
+    assert "self._train_schedule()" in inspect.getsource(PipelineEngine.train_batch)
+
+
+def test_deepspeed_pipeline_averages_the_loss_as_pipeline_step_loss_takes_it():
+    """compat.pipeline_step_loss runs the pipeline engine's `_aggregate_total_loss` before
+    the update: train_batch must take its returned loss from the same call after the
+    schedule (so both are one number), which reads the total the schedule accumulated."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    train_batch = inspect.getsource(PipelineEngine.train_batch)
+    run = train_batch.index("self._exec_schedule(sched)")
+    assert train_batch.index("self.agg_train_loss = self._aggregate_total_loss()") > run
+    assert "return self.agg_train_loss" in train_batch
+    aggregate = inspect.getsource(PipelineEngine._aggregate_total_loss)
+    assert "self._scale_loss_by_gas(self.total_loss)" in aggregate
+    assert "self.total_loss = None" in train_batch  # reset at each step's start only
+
+
 def test_deepspeed_engine_reports_the_norm_our_clipping_hands_it(single_process_group):
     """ZeRO-0 in fp32: our optimizer clips before its update and hands the norm over;
     the engine's get_global_grad_norm() must be that norm."""

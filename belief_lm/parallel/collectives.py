@@ -1,6 +1,8 @@
 """Collectives: the sums the model is handed (our attention never looks up process groups
 itself), the tensor-parallel place its vocab-parallel loss runs in (inside megatron's
-output layer, whose group it shares), and where a tensor must be to go through a group.
+output layer, whose group it shares), a sum over the model-parallel group (per-layer
+numbers each pipeline stage and TP rank holds part of), and where a tensor must be to go
+through a group.
 An all-reduce over a group of one rank is skipped (`all_reduce_unless_alone`). (Waiting
 for rank 0's one-off work is the process grid's: belief_lm.parallel.grid.)"""
 
@@ -30,6 +32,16 @@ def all_reduce_unless_alone(
     collectives still pair up across ranks."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
+
+
+def model_parallel_sum(values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over megatron's model-parallel group (TP x PP: the ranks that hold
+    one replica of the model between them), returned on the host (collective over that
+    group; a copy, `values` left as it is)."""
+    group = ps.get_model_parallel_group()
+    total = values.to(collective_device(group), copy=True)
+    all_reduce_unless_alone(total, group=group)
+    return total.cpu()
 
 
 def tensor_parallel_sum(group: dist.ProcessGroup | None) -> ShardSum | None:

@@ -112,7 +112,18 @@ class Trainee:
     buffered_allreduce_fallback), three passes over the gradients that change no bit."""
     before_update: Callable[[], object] | None = None
     """Called once the step's gradients are complete, before `screen` and the update (per-
-    layer gradient norms: belief_lm/train/layer_signals.py); not with a pipeline."""
+    layer gradient norms: belief_lm/train/layer_signals.py); with a pipeline, on every
+    stage from inside train_batch (compat.before_pipeline_update)."""
+    _inside_pipeline_step: Callable[[], object] | None = field(default=None, init=False)
+    """What the pipeline engine calls before this step's update (set by train_step)."""
+
+    def __post_init__(self) -> None:
+        if self.pipelined:  # the engine updates inside train_batch: it calls this first
+            compat.before_pipeline_update(self.engine, self._before_pipeline_update)
+
+    def _before_pipeline_update(self) -> None:
+        if self._inside_pipeline_step is not None:
+            self._inside_pipeline_step()
 
     def train_step(
         self, micro_batches: Iterator, screen: Callable[[torch.Tensor], LossCheck] | None = None
@@ -122,8 +133,9 @@ class Trainee:
 
         `screen`, when given, sees the step's mean loss once its gradients are complete and
         before the update, and its LossCheck says whether to skip the update (the optimizer
-        makes every rank skip if any says so). With a pipeline the engine updates inside
-        train_batch, so `screen` sees the loss only afterwards and may not ask to skip."""
+        makes every rank skip if any says so). With a pipeline, `before_update` and `screen`
+        run inside train_batch before the engine's optimizer step, every stage seeing the
+        step's loss (compat.pipeline_step_loss); there `screen` may not ask to skip."""
         engine, optimizer = self.engine, self.optimizer
         optimizer.take_update()  # (nothing left from a step that failed)
         accumulation = engine.gradient_accumulation_steps()
@@ -131,11 +143,23 @@ class Trainee:
         weights = label_weights(engine, [labels for _, labels in batches])
         if self.pipelined:  # 1F1B over all micro-batches, optimizer step included
             engine.module.label_weights = list(weights)  # the loss_fn's, in the engine's order
-            loss = engine.train_batch(data_iter=iter(batches))
+            checks: list[LossCheck] = []
+
+            def before_update() -> None:  # on every stage, its gradients complete
+                if self.before_update is not None:
+                    self.before_update()
+                if screen is not None:
+                    checks.append(screen(compat.pipeline_step_loss(engine)))
+                if checks and checks[0].skip:  # preflight refuses it: raised before the update
+                    raise RuntimeError("a pipelined step was asked to skip its update")
+
+            self._inside_pipeline_step = before_update
+            try:
+                loss = engine.train_batch(data_iter=iter(batches))
+            finally:
+                self._inside_pipeline_step = None
             reported = dict(engine.get_additional_losses() or {})
-            check = None if screen is None else screen(loss)
-            if check is not None and check.skip:
-                raise RuntimeError("a pipelined step was asked to skip its update after it")
+            check = checks[0] if checks else None
             return StepOutcome(loss, optimizer.take_update(), check, reported)
         total, check, reported = None, None, {}
         for micro, ((tokens, labels), weight) in enumerate(zip(batches, weights, strict=True)):

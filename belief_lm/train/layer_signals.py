@@ -5,17 +5,17 @@ queries and keys of a training micro-batch, as the layer's variant defines its s
 (belief_lm.attention.max_logit); `output_rms`, the RMS of the hidden states the layer hands
 on; `grad_norm`, the 2-norm of the gradient of the layer's weights, taken between backward
 and the optimizer step (DeepSpeed's safe_get_full_grad: whole gradients at every ZeRO
-stage; tensor-parallel shards summed, replicated weights counted once). The first two come
-from the belief diagnostics' forward pass (belief_lm/train/diagnostics.py); a spike step's
-gradient norms are compared with the last diagnostics step's to name the layers whose
-gradient grew most. Logged as `layer{n}/...` in metrics.jsonl, under `layers/` in tensorboard
-and W&B.
+stage; tensor-parallel shards summed, replicated weights counted once; with a pipeline,
+inside the engine's train_batch before its optimizer step, every stage's layers on every
+rank). The first two come from the belief diagnostics' forward pass
+(belief_lm/train/diagnostics.py); a spike step's gradient norms are compared with the last
+diagnostics step's to name the layers whose gradient grew most. Logged as `layer{n}/...` in
+metrics.jsonl, under `layers/` in tensorboard and W&B.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from belief_lm.parallel.gather import counted_once
 
@@ -44,40 +44,30 @@ def merge(parts: list[dict]) -> dict:
 
 
 def layer_grad_norms(module: torch.nn.Module) -> dict[str, float]:
-    """{'layer{n}/grad_norm': ...} for every decoder layer of the whole model (collective:
-    every rank calls it between backward and the optimizer step; not with a pipeline's
-    engine, which steps inside train_batch)."""
+    """{'layer{n}/grad_norm': ...} for every decoder layer of the whole model, on every rank
+    (collective: every rank calls it between the step's last backward and the optimizer
+    step; with a pipeline, from the engine's OptimizerStep: Trainee.before_update). Each
+    rank squares what it holds of its layers' gradients (tensor-parallel shards; a weight
+    replicated over TP on TP rank 0 only), each layer in its place of a vector over all
+    layers, summed over the model-parallel group (TP x PP): each pipeline stage adds its
+    own layers (preflight gives every stage one at least), each TP rank its shards."""
     from deepspeed.utils import safe_get_full_grad
 
     from belief_lm.model.gpt import DecoderLayer
-    from belief_lm.parallel.collectives import TensorParallelPlace
+    from belief_lm.parallel.collectives import TensorParallelPlace, model_parallel_sum
 
-    place = TensorParallelPlace.here()  # megatron's tensor-parallel group, which the grid made
-    tp_rank = place.rank
+    tp_rank = TensorParallelPlace.here().rank  # megatron's group, which the grid made
     layers = [m for m in module.modules() if isinstance(m, DecoderLayer)]
-    squares = []
-    for layer in layers:
-        total = torch.zeros((), dtype=torch.float64)
-        for param in layer.parameters():
-            grad = safe_get_full_grad(param)  # collective at ZeRO-3: every rank, every param
-            if grad is not None and counted_once(param, tp_rank):
-                total += grad.double().square().sum().cpu()
-        squares.append(total)
-    if not squares:
+    if not layers:
         return {}
-    stacked = torch.stack(squares).to(_collective_device())
-    if place.size > 1:
-        dist.all_reduce(stacked, group=place.group)
-    return {
-        f"layer{layer.layer_number}/{GRAD_NORM}": float(value.sqrt())
-        for layer, value in zip(layers, stacked.cpu(), strict=True)
-    }
-
-
-def _collective_device() -> torch.device:
-    from belief_lm.parallel.collectives import collective_device
-
-    return collective_device()
+    squares = torch.zeros(layers[0].config.num_layers, dtype=torch.float64)
+    for layer in layers:
+        for param in layer.parameters():
+            grad = safe_get_full_grad(param)  # collective at ZeRO-1/2/3: every rank, every param
+            if grad is not None and counted_once(param, tp_rank):
+                squares[layer.layer_number - 1] += grad.double().square().sum().cpu()
+    totals = model_parallel_sum(squares)
+    return {f"layer{n}/{GRAD_NORM}": float(value.sqrt()) for n, value in enumerate(totals, 1)}
 
 
 def grown_most(before: dict[str, float], now: dict[str, float], count: int = MOST_GROWN):

@@ -221,7 +221,7 @@ class Trainer:
     data_wait_s: float = 0.0
     """Seconds spent waiting for data, in all."""
     gradients: layer_signals.GradientWatch | None = None
-    """Per-layer gradient norms (diagnostics steps and spikes; none with a pipeline)."""
+    """Per-layer gradient norms (diagnostics steps and spikes)."""
 
     @classmethod
     def build(cls, cfg: Config, start: components.RunStart, grid: ProcessGrid) -> Trainer:
@@ -299,10 +299,8 @@ class Trainer:
 
     def watch_gradients(self, step: int) -> None:
         """Measure the per-layer gradient norms before the update of `step` if it is a
-        diagnostics step (not with a pipeline, whose engine updates inside train_batch)."""
+        diagnostics step (with a pipeline, inside train_batch: Trainee.before_update)."""
         trainee = self.trainee
-        if trainee.pipelined:
-            return
         if self.gradients is None:
             self.gradients = layer_signals.GradientWatch(trainee.engine.module)
         interval = self.cfg.run.diagnostics_interval

@@ -103,7 +103,7 @@ def load_run(out_dir: Path, variant: str, zero: int) -> dict:
     files = sorted(out_dir.glob(f"{variant}-zero{zero}-rank*.pt"))
     assert files, f"no results for {variant} in {out_dir}"
     records = [torch.load(f, weights_only=False) for f in files]
-    keys = ("losses", "grad_norms", "z_losses", "diagnostics", "layer_grad_norms")
+    keys = ("losses", "grad_norms", "z_losses", "diagnostics", "layer_grad_norms", "screened")
     merged = {key: records[0][key] for key in keys}
     merged.update(grads=[], params={})
     for step in range(len(records[0]["grads"])):
@@ -112,10 +112,13 @@ def load_run(out_dir: Path, variant: str, zero: int) -> dict:
         merged["params"].update(record["params"])
         assert record["losses"] == pytest.approx(merged["losses"], abs=0), "ranks disagree"
         assert record["diagnostics"] == merged["diagnostics"], "ranks log different signals"
+        steps = zip(record["layer_grad_norms"], merged["layer_grad_norms"], strict=True)
+        for norms, first in steps:
+            assert norms == pytest.approx(first, rel=1e-12), "ranks hold different grad norms"
     return merged
 
 
-def assert_same_layer_signals(run: dict, reference: dict, pipelined: bool = False) -> None:
+def assert_same_layer_signals(run: dict, reference: dict) -> None:
     """The per-layer signals (layer_signals.py) and belief diagnostics of `run` are one
     process's: of the same first weights on data-parallel rank 0's probe batch (each data-
     parallel rank measures its own; the others' must not leak in), the largest pre-softmax
@@ -123,7 +126,8 @@ def assert_same_layer_signals(run: dict, reference: dict, pipelined: bool = Fals
     each layer's whole output and the diagnostics' TP-summed ratios and cosines, within
     fp32 rounding (measured <= 2e-6 relative); and each step's per-layer gradient norms
     (shards over TP summed, replicated weights counted once, whole gradients under ZeRO)
-    within the bounds of the gradients (assert_equivalent), unless `pipelined`."""
+    within the bounds of the gradients (assert_equivalent); every layer's on every rank
+    (with a pipeline: each stage's layers, measured inside the engine's step, on all)."""
     signals, expected = run["diagnostics"], reference["diagnostics"]
     assert signals.keys() == expected.keys()
     assert {k.split("/")[1] for k in signals} >= set(layer_signals.FORWARD)
@@ -139,8 +143,6 @@ def assert_same_layer_signals(run: dict, reference: dict, pipelined: bool = Fals
                 layers[number] = layers.get(number, 0.0) + grad.double().square().sum()
         direct = {f"layer{n}/{layer_signals.GRAD_NORM}": float(v.sqrt()) for n, v in layers.items()}
         assert measured == pytest.approx(direct, rel=1e-6)
-    if pipelined:  # the trainer measures none with a pipeline (Trainer.watch_gradients)
-        return
     assert len(run["layer_grad_norms"]) == len(norms)
     for step, (measured, expected) in enumerate(zip(run["layer_grad_norms"], norms, strict=True)):
         bound = 1e-5 if step == 0 else 3e-4

@@ -18,8 +18,10 @@ each optimizer step (ZeRO fragments and TP shards gathered, pipeline names mappe
 BeliefLM's), the full parameters at the end, and each step's z-loss when train.z_loss is
 set; the belief diagnostics with the per-layer max_logit and output_rms of the first
 weights on a probe batch (each data-parallel rank its own; the logged numbers are data-
-parallel rank 0's, the same on every rank), and, without a pipeline, each step's
-per-layer gradient norms as the trainer measures them (layer_signals.layer_grad_norms).
+parallel rank 0's, the same on every rank), and each step's per-layer gradient norms as
+the trainer measures them (layer_signals.layer_grad_norms, through Trainee.before_update:
+with a pipeline, from inside the engine's optimizer step), and what a loss-spike check
+(train_step's `screen`) saw of each step: the loss and the engine's updates done so far.
 Writes
 OUT_DIR/<variant>-zero<stage>-rank<r>.pt. With --documents, the variants named there also
 train under model.attention_mask=document, on the same table with an EOS (DOCUMENT_END)
@@ -64,6 +66,7 @@ from belief_lm.preflight import resume_from  # noqa: E402
 from belief_lm.runtime import select_device  # noqa: E402
 from belief_lm.train import layer_signals, trainer_state  # noqa: E402
 from belief_lm.train.diagnostics import belief_diagnostics  # noqa: E402
+from belief_lm.train.spikes import LossCheck  # noqa: E402
 from tests.models import trainee_for  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO, STEPS = 256, 16, 8, 2, 3
@@ -193,14 +196,23 @@ def run(
             if key is not None:
                 grads[key] = full
         grads_per_step.append(grads)
-        if not trainee.pipelined:  # the trainer's measurement (none with a pipeline)
-            layer_grad_norms.append(layer_signals.layer_grad_norms(engine.module))
         return take_step(*args, **kwargs)
 
     engine._take_model_step = capture_then_step
+    # the trainer's measurement, where the trainer makes it (a pipeline's: inside train_batch)
+    trainee.before_update = lambda: layer_grad_norms.append(
+        layer_signals.layer_grad_norms(engine.module)
+    )
+    screened = []  # (the engine's updates so far, the loss): what a spike check sees
+
+    def screen(loss: torch.Tensor) -> LossCheck:
+        mean = trainee.global_mean(loss)
+        screened.append((engine.global_steps, mean))
+        return LossCheck(mean, spike=None, skip=False)
+
     losses, norms, z_losses = [], [], []
     for _ in range(first, save_at or steps):
-        outcome = trainee.train_step(data)
+        outcome = trainee.train_step(data, screen)
         losses.append(trainee.global_mean(outcome.loss))
         norms.append(float(engine.get_global_grad_norm()))
         if "z_loss" in outcome.reported:
@@ -232,6 +244,7 @@ def run(
             "logits": logits,
             "diagnostics": diagnostics,
             "layer_grad_norms": layer_grad_norms,
+            "screened": screened,
         },
         os.path.join(out_dir, f"{name or variant}-zero{zero}-rank{dist.get_rank()}.pt"),
     )

@@ -15,9 +15,12 @@ RUN = [
 ]  # fmt: skip
 
 
+def metrics_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def logged_losses(run_dir) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
+    return [r["loss"] for r in metrics_rows(run_dir) if "loss" in r]
 
 
 def test_belief_star_trains_at_tp2_pp2_dp2(tmp_path, cache_dir):
@@ -33,6 +36,15 @@ def test_belief_star_trains_at_tp2_pp2_dp2(tmp_path, cache_dir):
     assert single.returncode == 0, single.stderr[-5000:]
     assert "layout TP2 x PP2 x DP2" in result.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # every layer's gradient norm, both stages' (measured inside the pipeline engine's
+    # train_batch before its update), as one process's up to the losses' own agreement
+    signals = {r["step"]: r for r in rows if "layer1/grad_norm" in r}
+    singles = {r["step"]: r for r in metrics_rows(tmp_path / "single") if "layer1/grad_norm" in r}
+    assert sorted(signals) == sorted(singles) == [6, 12]
+    for step, row in signals.items():
+        norms = {f"layer{n}/grad_norm": row[f"layer{n}/grad_norm"] for n in range(1, 5)}
+        expected = {key: singles[step][key] for key in norms}
+        assert min(norms.values()) > 0 and norms == pytest.approx(expected, rel=1e-4), step
     validation = [r for r in rows if "val_loss" in r]
     rows = [r for r in rows if "loss" in r]
     losses = [r["loss"] for r in rows]

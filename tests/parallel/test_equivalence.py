@@ -93,10 +93,14 @@ def test_belief_star_tp2_pp2_dp2(reference, tp2_pp2_dp2):
     run the change-of-layout tests resume from, so TP=2 x PP=2 needs no run of its own),
     plain and with QK-norm and a z-loss (the z-loss the pipeline engine sums over
     micro-batches and averages over data parallelism). Each stage's per-layer signals
-    reach every rank (gradient norms are not measured with a pipeline)."""
+    reach every rank, the gradient norms too, measured inside the engine's train_batch
+    before its update, where a loss-spike check sees the step's loss (so a spike's
+    gradient norms are its step's)."""
     run, single = load_run(tp2_pp2_dp2, "belief_star", 1), load_run(reference, "belief_star", 1)
     assert_equivalent(run, single)
-    assert_same_layer_signals(run, single, pipelined=True)
+    assert_same_layer_signals(run, single)
+    assert [updates for updates, _ in run["screened"]] == list(range(len(run["losses"])))
+    assert [loss for _, loss in run["screened"]] == run["losses"]
     run = load_run(tp2_pp2_dp2, "belief_star-stability", 1)
     single = load_run(reference, "belief_star-stability", 1)
     assert_equivalent(run, single)
