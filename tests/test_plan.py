@@ -253,10 +253,11 @@ def test_plan_ranks_the_8b_on_32_gpus(capsys):
     rows = [line.split() for line in out.splitlines()[2:-1]]
     assert len(rows) == 10 and out.splitlines()[-1].endswith("layouts fit")
     for row in rows:
-        tp, pp, dp, zero = map(int, row[1:5])
+        tp, sp, (pp, dp, zero) = int(row[1]), row[2], map(int, row[3:6])
         assert tp <= 8 and tp * pp * dp == 32 and (pp == 1 or zero <= 1)
-        assert float(row[13]) + 2.0 <= 80  # peak GB + the reserve
-    times = [float(row[14]) for row in rows]
+        assert sp == ("on" if tp > 1 else "-")  # sequence parallelism: on at TP > 1
+        assert float(row[14]) + 2.0 <= 80  # peak GB + the reserve
+    times = [float(row[15]) for row in rows]
     assert times == sorted(times)
 
 
